@@ -1,0 +1,207 @@
+"""The public operator: `moe`, `Routes`, backend choice and argument checking."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gcmoe_jax import ffi, reference
+from gcmoe_jax._support import Support
+from gcmoe_jax.formats import ExpertWeights
+
+__all__ = ["BACKENDS", "Explanation", "Routes", "explain", "moe"]
+
+log = logging.getLogger("gcmoe_jax")
+
+BACKENDS = ("auto", "cuda", "cpu", "reference")
+MAX_TOP_K = 32  # Table 10: 1 <= k <= min(32, E)
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class Routes:
+  """Top-k routing of T tokens.
+
+  Attributes:
+    ids: int32 ``[T, k]`` expert ids; ids < 0 are padding (the slot is dropped), ids >= E are an error.
+    weights: float32 ``[T, k]`` route weights (any float dtype of at most 32 bits is converted to float32).
+  """
+
+  ids: jax.Array
+  weights: jax.Array
+
+  def tree_flatten(self):
+    return (self.ids, self.weights), None
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    del aux
+    return cls(*children)
+
+  @property
+  def top_k(self) -> int:
+    return int(self.ids.shape[-1])
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+  """Which backend `moe` runs for given arguments, and why each other backend was or was not chosen."""
+
+  backend: str
+  requested: str
+  reasons: tuple[tuple[str, Support], ...]
+
+  def __str__(self) -> str:
+    lines = [f"gcmoe_jax.moe: backend={self.backend!r} (requested {self.requested!r})"]
+    for name, s in self.reasons:
+      mark = "chosen" if name == self.backend else ("available" if s.ok else "unavailable")
+      lines.append(f"  {name:<9} {mark:<11} {s.reason}")
+    return "\n".join(lines)
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Argument checking (trace time)
+# -----------------------------------------------------------------------------------------------------------------
+
+
+def _check_args(x: Any, w: Any, routes: Any, clamp: Any, backend: Any) -> None:
+  """Checks shapes, dtypes and Table 10 constraints; raises TypeError (types, ranks) or ValueError (values)."""
+  if not isinstance(w, ExpertWeights):
+    raise TypeError(f"moe: w must be gcmoe_jax.ExpertWeights (from quantize_experts or from_mxfp4), got "
+                    f"{type(w).__name__}")
+  if not isinstance(routes, Routes):
+    raise TypeError(f"moe: routes must be gcmoe_jax.Routes(ids, weights), got {type(routes).__name__}")
+  if backend not in BACKENDS:
+    raise ValueError(f"moe: backend must be one of {BACKENDS}, got {backend!r}")
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise TypeError(f"moe: x must be an array, got {type(x).__name__}")
+  if x.dtype != jnp.bfloat16:
+    raise TypeError(f"moe: x must have dtype bfloat16, got {x.dtype} (convert with x.astype(jnp.bfloat16))")
+  if x.ndim != 2:
+    raise TypeError(f"moe: x must be rank 2 [T, H], got shape {list(x.shape)}")
+  t, h = x.shape
+  if h != w.hidden:
+    raise ValueError(f"moe: x.shape[1] (H) must equal the experts' hidden size {w.hidden}, got {h}")
+  ids, rw = routes.ids, routes.weights
+  for name, a in (("routes.ids", ids), ("routes.weights", rw)):
+    if not hasattr(a, "shape") or a.ndim != 2:
+      raise TypeError(f"moe: {name} must be rank 2 [T, k], got shape {list(getattr(a, 'shape', ()))}")
+  if ids.dtype != jnp.int32:
+    raise TypeError(f"moe: routes.ids must have dtype int32, got {ids.dtype}")
+  if not jnp.issubdtype(rw.dtype, jnp.floating) or jnp.dtype(rw.dtype).itemsize > 4:
+    raise TypeError(f"moe: routes.weights must be float32 (or bfloat16/float16), got {rw.dtype}")
+  if ids.shape != rw.shape:
+    raise ValueError(f"moe: routes.ids and routes.weights must have the same shape [T, k], got "
+                     f"{list(ids.shape)} and {list(rw.shape)}")
+  if ids.shape[0] != t:
+    raise ValueError(f"moe: routes must have T = x.shape[0] = {t} rows, got {ids.shape[0]}")
+  k, e = ids.shape[1], w.num_experts
+  if not 1 <= k <= min(MAX_TOP_K, e):
+    raise ValueError(f"moe: top-k (routes.ids.shape[1]) must be in [1, min(32, E)] = [1, {min(MAX_TOP_K, e)}] "
+                     f"(Table 10), got {k}")
+  if clamp is not None:
+    if isinstance(clamp, bool) or not isinstance(clamp, (int, float, np.floating, np.integer)):
+      raise TypeError(f"moe: clamp must be a Python float or None, got {type(clamp).__name__}")
+    if not math.isfinite(clamp) or clamp <= 0:
+      raise ValueError(f"moe: clamp must be a finite positive number or None, got {clamp}")
+  if not isinstance(ids, jax.core.Tracer):
+    _check_ids_concrete(np.asarray(ids), e)
+
+
+def _check_ids_concrete(ids: np.ndarray, e: int) -> None:
+  bad = ids >= e
+  if bad.any():
+    t, j = (int(v) for v in np.argwhere(bad)[0])
+    raise ValueError(f"moe: routes.ids must be < E = {e} (ids < 0 are padding), got id {int(ids[t, j])} at "
+                     f"token {t}, slot {j} ({int(bad.sum())} such id(s))")
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Backend choice
+# -----------------------------------------------------------------------------------------------------------------
+
+
+def _support(name: str, platform: str) -> Support:
+  if name == "reference":
+    return Support(True, "pure jax.numpy emulation of DESIGN §2 (always available; the oracle, not fast)")
+  if name == "cpu":
+    if platform != "cpu":
+      return Support(False, f"the C++ CPU handler runs on CPU devices, and the default device is {platform}")
+    return ffi.platform_support("cpu")
+  if platform != "gpu":
+    return Support(False, f"needs a CUDA GPU, and the default device is {platform}")
+  return ffi.platform_support("cuda")
+
+
+@functools.lru_cache(maxsize=None)
+def _choose(requested: str, platform: str) -> Explanation:
+  order = ("cuda", "cpu", "reference")
+  reasons = tuple((name, _support(name, platform)) for name in order)
+  if requested == "auto":
+    backend = next(name for name, s in reasons if s.ok)
+  else:
+    s = dict(reasons)[requested]
+    if not s.ok:
+      raise RuntimeError(f"moe: backend={requested!r} cannot run here: {s.reason}")
+    backend = requested
+  result = Explanation(backend, requested, reasons)
+  log.info("%s", result)
+  return result
+
+
+def explain(backend: str = "auto") -> Explanation:
+  """Returns which backend `moe(..., backend=backend)` runs on the default device, with the reason for each."""
+  if backend not in BACKENDS:
+    raise ValueError(f"explain: backend must be one of {BACKENDS}, got {backend!r}")
+  return _choose(backend, jax.default_backend())
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# The operator
+# -----------------------------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("clamp",))
+def _reference_jit(x, w, ids, weights, clamp):
+  # Ids >= E were rejected eagerly when concrete; traced ones poison their token with NaN rather than being
+  # dropped silently (docs/reliability.md).
+  bad = jnp.any(ids >= w.num_experts, axis=1, keepdims=True)
+  y = reference.moe_emulated(x, w, jnp.where(ids >= w.num_experts, -1, ids), weights, clamp=clamp)
+  return jnp.where(bad, jnp.asarray(jnp.nan, y.dtype), y)
+
+
+def moe(x: jax.Array, w: ExpertWeights, routes: Routes, *, clamp: float | None = None,
+        backend: str = "auto") -> jax.Array:
+  """The GC-MoE operator: routed MXFP4 experts (and the optional shared expert) applied to FP8 activations.
+
+  Computes DESIGN §2 (docs/semantics.md): per token, MXFP8 activations, the gate/up GEMM, clamped SwiGLU, the
+  route weight, MXFP8 requantization, the down GEMM, and the FP32 sum of the k returned rows (+ shared expert).
+
+  Args:
+    x: bfloat16 ``[T, H]`` activations.
+    w: `ExpertWeights` from `quantize_experts` or `from_mxfp4`.
+    routes: `Routes` with int32 ids ``[T, k]`` (ids < 0: padding) and float32 weights ``[T, k]``.
+    clamp: SwiGLU clamp c (``silu(min(g, c)) * clip(u, -c, c)``), or None for no clamp.
+    backend: ``"auto"`` (the fastest available, see `explain`), ``"cuda"``, ``"cpu"`` or ``"reference"``.
+
+  Returns:
+    bfloat16 ``[T, H]``.
+
+  Raises:
+    TypeError, ValueError: for arguments outside Table 10 (at trace time), or expert ids >= E when they are
+      concrete. RuntimeError: when a named backend cannot run here (the reason is in the message).
+  """
+  _check_args(x, w, routes, clamp, backend)
+  chosen = explain(backend).backend
+  ids, weights = routes.ids, routes.weights.astype(jnp.float32)
+  clamp = None if clamp is None else float(clamp)
+  if chosen == "reference":
+    return _reference_jit(x, w, ids, weights, clamp)
+  return ffi.moe_call(x, w, ids, weights, clamp=clamp)
