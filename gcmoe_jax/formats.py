@@ -9,6 +9,7 @@ The one rounding convention of the project (DESIGN §2):
 * ``amax`` is taken over the finite elements only; a NaN or +-Inf element is encoded as E4M3 NaN (``0x7F``/``0xFF``)
   so it propagates to exactly the outputs that read it. Weights must be finite: `quantize_experts` rejects
   non-finite weights, and E2M1 (which has no NaN) is only used for weights.
+* float32 subnormal inputs count as zero (XLA flushes denormals on CPU and GPU; the C++ handler does the same).
 * E2M1 codes: bit 3 is the sign, bits 2..0 index the magnitudes (0, 0.5, 1, 1.5, 2, 3, 4, 6). A value that rounds to
   zero is encoded +0 (code 0), whatever its sign.
 
@@ -227,7 +228,8 @@ def gate_up_interleave(w: jax.Array, axis: int = -1) -> jax.Array:
   two_i = w.shape[-1]
   gate, up = w[..., : two_i // 2], w[..., two_i // 2:]
   lead = w.shape[:-1]
-  out = jnp.stack([gate.reshape(*lead, -1, 8), up.reshape(*lead, -1, 8)], axis=-2).reshape(*lead, two_i)
+  q = two_i // 16
+  out = jnp.stack([gate.reshape(*lead, q, 8), up.reshape(*lead, q, 8)], axis=-2).reshape(*lead, two_i)
   return jnp.moveaxis(out, -1, axis)
 
 
@@ -237,7 +239,8 @@ def gate_up_deinterleave(w: jax.Array, axis: int = -1) -> jax.Array:
   two_i = w.shape[-1]
   lead = w.shape[:-1]
   g = w.reshape(*lead, two_i // 16, 2, 8)
-  out = jnp.concatenate([g[..., 0, :].reshape(*lead, -1), g[..., 1, :].reshape(*lead, -1)], axis=-1)
+  half = two_i // 2
+  out = jnp.concatenate([g[..., 0, :].reshape(*lead, half), g[..., 1, :].reshape(*lead, half)], axis=-1)
   return jnp.moveaxis(out, -1, axis)
 
 

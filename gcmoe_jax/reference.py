@@ -178,6 +178,8 @@ def moe_emulated(x: jax.Array, w: ExpertWeights, ids: jax.Array, weights: jax.Ar
   e, h, i = w.num_experts, w.hidden, w.intermediate
   t, k = ids.shape
   x = _bf16(x)
+  if t == 0:
+    return jnp.zeros((0, h), jnp.bfloat16)
   flat_ids = ids.reshape(-1).astype(jnp.int32)
   valid = flat_ids >= 0
   eids = jnp.where(valid, flat_ids, 0).clip(0, e - 1)

@@ -1,0 +1,1 @@
+"""Benchmark and accuracy harnesses (problems, accuracy report, latency sweep)."""
