@@ -3,6 +3,13 @@
 import os
 
 import jax
+
+# Eight CPU devices for the expert-parallel tests (the default device stays cpu:0). Must run before any backend
+# initialises; conftest.py is imported first.
+if "jax_num_cpu_devices" in jax.config.values:
+  jax.config.update("jax_num_cpu_devices", 8)
+else:  # pragma: no cover - older jax
+  os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 import jax.numpy as jnp
 import numpy as np
 import pytest
