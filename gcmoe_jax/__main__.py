@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("demo", "plan", "doctor", "bench", "accuracy")
+COMMANDS = ("demo", "plan", "doctor", "bench", "accuracy", "build-kernels")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,9 +18,9 @@ def main(argv: list[str] | None = None) -> int:
   sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
   for name in COMMANDS:
     try:
-      module = importlib.import_module(f"gcmoe_jax.commands.{name}")
+      module = importlib.import_module(f"gcmoe_jax.commands.{name.replace('-', '_')}")
     except ModuleNotFoundError as e:
-      if e.name != f"gcmoe_jax.commands.{name}":
+      if e.name != f"gcmoe_jax.commands.{name.replace('-', '_')}":
         raise
       continue
     module.register(sub)

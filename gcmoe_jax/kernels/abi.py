@@ -1,0 +1,78 @@
+"""The contract between the role kernels and the C++ runtime: kernel parameters and the workspace layout.
+
+One source of truth: the kernels (CuTe DSL, `gcmoe_jax/kernels/`) index the workspace with these offsets, and the
+runtime (`csrc/`) receives them as FFI attributes computed here, so the two cannot drift.
+
+**Kernel parameters** (every role kernel takes the same list, in this order; `PARAMS`):
+13 device pointers (8 bytes each) then ``T`` (int32, tokens this call, <= the variant's token capacity) and
+``clamp`` (float32; ``+inf`` means no clamp, which is exactly the unclamped math: ``min(g, inf) = g``).
+
+**Epoch protocol.** ``header.epoch`` counts completed calls. Every role reads it at start and works on
+``cur = epoch + 1``; role 1 publishes expert e by storing ``ready[e] = cur`` (release) after writing ``count[e]``
+and ``rows[e]``; role 2 waits for ``ready[e] == cur`` (acquire, bounded by ``header.timeout_ns``); role 3 runs
+after both (graph edges) and stores ``epoch = cur`` last. Nothing is reset between calls, and a replay under an XLA
+command buffer (where the host handler is not called) stays correct because the epoch lives on the device.
+
+**Faults.** A wait that expires writes the error record (role, block, epoch, counter = the awaited expert,
+observed value) once (CAS on ``error.flag``), and the role returns without trapping, so the context stays usable;
+role 3 then writes NaN into every output row. The runtime reads the record and reports it as an FFI error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["HEADER", "PARAMS", "Workspace", "workspace_layout", "SILU_TABLE_ENTRIES"]
+
+# Kernel parameter names, in order: 13 pointers, then T (int32) and clamp (float32).
+PARAMS = ("x", "ids", "route_weights", "w13", "w13_scale", "w2", "w2_scale", "s13", "s13_scale", "s2", "s2_scale",
+          "y", "workspace", "tokens", "clamp")
+NUM_POINTER_PARAMS = 13
+
+# Header fields: byte offsets inside the first 256 bytes of the workspace.
+HEADER = {
+  "epoch": 0,  # u32: completed calls
+  "error_flag": 4,  # u32: 0 = no error; set once by the first wait that expires
+  "timeout_ns": 8,  # u64: bound of every spin-wait (globaltimer nanoseconds)
+  "error_role": 16,  # u32
+  "error_block": 20,  # u32
+  "error_epoch": 24,  # u32
+  "error_counter": 28,  # u32: what was awaited (role 2: the expert id)
+  "error_observed": 32,  # u32: the value seen last
+  "stall_expert": 36,  # i32: test hook: role 1 never publishes this expert (-1 = off)
+}
+HEADER_BYTES = 256
+SILU_TABLE_ENTRIES = 1 << 16  # float32 silu(g) per BF16 bit pattern (reference.silu_table)
+ALIGN = 256
+
+
+def _align(n: int) -> int:
+  return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclasses.dataclass(frozen=True)
+class Workspace:
+  """Byte offsets of the workspace sections for one variant (E local experts, token capacity, k, H)."""
+
+  silu_table: int  # f32 [65536]
+  ready: int  # u32 [E]: epoch tag of expert e's publication
+  count: int  # i32 [E]: rows routed to expert e this call
+  rows: int  # i32 [E, capacity * k]: assignment index t * k + j of each row, in token order
+  arena: int  # bf16 [capacity * k, H]: o_j of assignment t * k + j
+  shared_out: int  # bf16 [capacity, H]: the shared expert's output (0 bytes without it)
+  total: int  # bytes
+
+  def as_attrs(self) -> dict[str, int]:
+    return {f"ws_{f.name}": getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def workspace_layout(experts: int, capacity: int, top_k: int, hidden: int, shared: bool) -> Workspace:
+  """The workspace layout of a variant: sections in a fixed order, each 256-byte aligned."""
+  off = HEADER_BYTES
+  sections = {}
+  for name, size in (("silu_table", 4 * SILU_TABLE_ENTRIES), ("ready", 4 * experts), ("count", 4 * experts),
+                     ("rows", 4 * experts * capacity * top_k), ("arena", 2 * capacity * top_k * hidden),
+                     ("shared_out", 2 * capacity * hidden if shared else 0)):
+    sections[name] = off
+    off = _align(off + size)
+  return Workspace(total=off, **sections)
