@@ -1,0 +1,402 @@
+"""Latency sweep: `gcmoe_jax.moe` against BF16 JAX MoEs and the weight-streaming floor, over decode batch sizes.
+
+One run times, on the default device, for every batch B in the sweep:
+
+* ``ragged_dot``    BF16 weights, rows sorted by expert, `jax.lax.ragged_dot` for both GEMMs (`baselines`);
+* ``dense_gather``  BF16 weights gathered per token and contracted with einsum (`baselines`);
+* ``emulated``      `reference.moe_emulated` under `jax.jit` (the oracle; slow by design);
+* ``gcmoe:<b>``     `gcmoe_jax.moe(..., backend=b)` for every backend `gcmoe_jax.explain` reports available.
+
+Timing: the function is compiled and called ``warmup`` times, then the median of ``iters`` calls, each ended by
+`block_until_ready` (the only host synchronisation in the timed region). Inputs live on the device beforehand.
+
+The weight-streaming floor of a batch is the time to read, once, the quantized weights the batch must touch: the
+distinct experts its routes hit times the MXFP4 bytes of one expert (payload and scales), plus the shared expert's
+MXFP8 bytes, divided by the device memory bandwidth measured in the same run (`measure_bandwidth`). It holds for
+every implementation (BF16 baselines read 3.8x more bytes, so they cannot reach it).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import functools
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gcmoe_jax import api, formats, geometry, reference
+from gcmoe_jax.bench import baselines
+from gcmoe_jax.bench.problems import DEMO_SHAPE, make_routes
+
+__all__ = ["BASELINES", "IMPLS", "BenchShape", "Row", "default_impls", "measure_bandwidth", "model_shape", "plot",
+           "run", "to_markdown", "write_csv"]
+
+BASELINES = ("ragged_dot", "dense_gather")
+IMPLS = (*BASELINES, "emulated", *(f"gcmoe:{b}" for b in api.BACKENDS if b != "auto"))
+DEFAULT_RANKS = 8
+DEFAULT_MAX_GATHER_BYTES = 8 << 30
+CSV_COLUMNS = ("model", "device", "impl", "batch", "experts", "hidden", "intermediate", "top_k",
+               "shared_intermediate", "distinct_experts", "weight_bytes", "bandwidth_gbs", "floor_us", "latency_us",
+               "min_us", "latency_over_floor", "floor_pct", *(f"speedup_vs_{b}" for b in BASELINES), "note")
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchShape:
+  """One rank's MoE layer: E local experts of H x I, top-k, an optional shared expert (Is, K-group)."""
+
+  name: str
+  experts: int
+  hidden: int
+  intermediate: int
+  top_k: int
+  shared_intermediate: int | None = None
+  shared_group: int = 128
+  clamp: float | None = None
+
+  def __post_init__(self):
+    # H, I and Is are checked by quantize_experts; k is checked here because the baselines never call gm.moe.
+    if not 1 <= self.top_k <= min(api.MAX_TOP_K, self.experts):
+      raise ValueError(f"bench: top-k must be in [1, min(32, E)] = [1, {min(api.MAX_TOP_K, self.experts)}], got "
+                       f"{self.top_k}")
+
+  def describe(self) -> str:
+    shared = f", shared Is={self.shared_intermediate} (group {self.shared_group})" if self.shared_intermediate else ""
+    return (f"{self.name}: E={self.experts} local experts, H={self.hidden}, I={self.intermediate}, "
+            f"top-{self.top_k}{shared}, clamp={self.clamp}")
+
+
+def model_shape(model: str, *, ranks: int = DEFAULT_RANKS, shared: bool = False,
+                clamp: float | None = None) -> BenchShape:
+  """The per-rank shape of a preset: ``"demo"`` (`problems.DEMO_SHAPE`) or a `geometry.MODELS` key.
+
+  A preset's E experts are split over ``ranks`` (L = E / R local experts, each hit by all k routes of a token).
+
+  Raises:
+    ValueError: for an unknown model or ranks that do not divide E.
+  """
+  if model == "demo":
+    s = DEMO_SHAPE
+    return BenchShape("demo", s.experts, s.hidden, s.intermediate, s.top_k,
+                      s.shared_intermediate if shared else None, s.shared_group, clamp)
+  if model not in geometry.MODELS:
+    raise ValueError(f"bench: model must be one of {['demo', *geometry.MODELS]}, got {model!r}")
+  m = geometry.MODELS[model]
+  if ranks < 1 or m.E % ranks:
+    raise ValueError(f"bench: ranks must divide {m.name}'s E = {m.E}, got {ranks}")
+  local = m.E // ranks
+  return BenchShape(m.name, local, m.H, m.I, min(m.k, local), m.shared_I if shared else None, m.shared_group, clamp)
+
+
+def default_impls() -> tuple[str, ...]:
+  """The baselines, the emulation, and `gcmoe:<b>` for each backend `explain` reports available here."""
+  available = [name for name, s in api.explain().reasons if s.ok]
+  return (*BASELINES, "emulated", *(f"gcmoe:{b}" for b in available))
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Measurement
+# -----------------------------------------------------------------------------------------------------------------
+
+
+def time_call(fn: Callable[..., Any], args: Sequence[Any], *, iters: int, warmup: int) -> list[float]:
+  """Seconds of each of ``iters`` calls ``fn(*args)`` after ``warmup`` calls (the first compiles)."""
+  for _ in range(max(warmup, 1)):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return times
+
+
+def measure_bandwidth(nbytes: int | None = None, *, iters: int = 10) -> float:
+  """Device memory bandwidth in bytes/s: the faster of a jitted copy pass and a jitted read-only pass.
+
+  The copy (``x + 1``: read once, written once) is the usual probe on GPUs. On CPU, each call's output is a fresh
+  allocation whose first touch page-faults, which caps the copy at a few GB/s; weight streaming only reads, so the
+  read pass (a sum) is measured too, and the larger figure is kept (the floor stays a lower bound on time).
+
+  Args:
+    nbytes: buffer size; defaults to 1 GiB on accelerators (far beyond their caches) and 64 MiB on CPU.
+    iters: timed passes of each kind (median).
+  """
+  if nbytes is None:
+    nbytes = (64 << 20) if jax.default_backend() == "cpu" else (1 << 30)
+  x = jnp.ones((nbytes // 4,), jnp.float32)
+  # `+ 1`, not `+ 0`: XLA may simplify `x + 0` to the input buffer and move nothing.
+  copy = statistics.median(time_call(jax.jit(lambda a: a + 1), (x,), iters=iters, warmup=2))
+  read = statistics.median(time_call(jax.jit(jnp.sum), (x,), iters=iters, warmup=2))
+  return max(2 * x.nbytes / copy, x.nbytes / read)
+
+
+def _expert_bytes(w: formats.ExpertWeights) -> tuple[float, int]:
+  """(MXFP4 bytes of one routed expert incl. scales, MXFP8 bytes of the shared expert incl. scales or 0)."""
+  routed = sum(a.nbytes for a in (w.w13, w.w13_scale, w.w2, w.w2_scale)) / w.num_experts
+  s = w.shared
+  shared = 0 if s is None else sum(a.nbytes for a in (s.s13, s.s13_scale, s.s2, s.s2_scale))
+  return routed, shared
+
+
+@dataclasses.dataclass
+class Row:
+  """One (implementation, batch) measurement; times in microseconds (nan when skipped, with a note)."""
+
+  model: str
+  device: str
+  impl: str
+  batch: int
+  shape: BenchShape
+  distinct_experts: int
+  weight_bytes: int
+  bandwidth: float  # bytes/s
+  latency_us: float = math.nan
+  min_us: float = math.nan
+  speedup: dict[str, float] = dataclasses.field(default_factory=dict)
+  note: str = ""
+
+  @property
+  def floor_us(self) -> float:
+    return 1e6 * self.weight_bytes / self.bandwidth
+
+  @property
+  def latency_over_floor(self) -> float:
+    return self.latency_us / self.floor_us
+
+  def as_dict(self) -> dict[str, Any]:
+    s = self.shape
+    d = {"model": self.model, "device": self.device, "impl": self.impl, "batch": self.batch, "experts": s.experts,
+         "hidden": s.hidden, "intermediate": s.intermediate, "top_k": s.top_k,
+         "shared_intermediate": s.shared_intermediate or 0, "distinct_experts": self.distinct_experts,
+         "weight_bytes": self.weight_bytes, "bandwidth_gbs": self.bandwidth / 1e9, "floor_us": self.floor_us,
+         "latency_us": self.latency_us, "min_us": self.min_us, "latency_over_floor": self.latency_over_floor,
+         "floor_pct": 100.0 / self.latency_over_floor, "note": self.note}
+    for b in BASELINES:
+      d[f"speedup_vs_{b}"] = self.speedup.get(b, math.nan)
+    return d
+
+
+class _Problem:
+  """The layer's weights (BF16 for the baselines, quantized for the rest), on the device, built once per shape."""
+
+  def __init__(self, shape: BenchShape, seed: int):
+    self.shape = shape
+    s = shape
+    self.bf16 = _random_bf16_weights(jax.random.key(seed), s.experts, s.hidden, s.intermediate,
+                                     s.shared_intermediate)
+    w13, w2, shared = self.bf16
+    # Under jit: quantizing eagerly dispatches many small ops; random normals need no finiteness check.
+    self.quantized = jax.jit(formats.quantize_experts, static_argnames="shared_group")(
+      w13, w2, shared=shared, shared_group=s.shared_group)
+    self.routed_bytes, self.shared_bytes = _expert_bytes(self.quantized)
+    self.seed = seed
+
+  def inputs(self, batch: int) -> tuple[jax.Array, jax.Array, jax.Array, int]:
+    """(x bf16 [B, H], ids int32 [B, k], weights float32 [B, k], weight bytes the batch touches)."""
+    s = self.shape
+    rng = np.random.default_rng([self.seed, batch])
+    ids, weights = make_routes(rng, "default", batch, s.experts, s.top_k)
+    x = jnp.asarray(rng.standard_normal((batch, s.hidden), np.float32), jnp.bfloat16)
+    distinct = int(np.unique(ids[ids >= 0]).size)
+    return x, jnp.asarray(ids), jnp.asarray(weights), distinct
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _random_bf16_weights(key: jax.Array, e: int, h: int, i: int, i_s: int | None):
+  k1, k2, k3, k4 = jax.random.split(key, 4)
+  normal = lambda k, shape, fan_in: (jax.random.normal(k, shape, jnp.float32) / math.sqrt(fan_in)).astype(jnp.bfloat16)
+  shared = None if i_s is None else (normal(k3, (h, 2 * i_s), h), normal(k4, (i_s, h), i_s))
+  return normal(k1, (e, h, 2 * i), h), normal(k2, (e, i, h), i), shared
+
+
+def _impl_call(impl: str, p: _Problem, x: jax.Array, ids: jax.Array, rw: jax.Array) -> tuple[Callable, tuple]:
+  """The jitted callable of ``impl`` and its arguments (weights are arguments, never baked-in constants)."""
+  clamp = p.shape.clamp
+  if impl in BASELINES:
+    f = baselines.ragged_dot_moe if impl == "ragged_dot" else baselines.dense_gather_moe
+    fn = jax.jit(lambda x, w13, w2, ids, rw, shared: f(x, w13, w2, ids, rw, shared=shared, clamp=clamp))
+    return fn, (x, *p.bf16[:2], ids, rw, p.bf16[2])
+  if impl == "emulated":
+    return jax.jit(functools.partial(reference.moe_emulated, clamp=clamp)), (x, p.quantized, ids, rw)
+  backend = impl.split(":", 1)[1]
+  fn = jax.jit(lambda x, w, r: api.moe(x, w, r, clamp=clamp, backend=backend))
+  return fn, (x, p.quantized, api.Routes(ids, rw))
+
+
+def check_impls(impls: Sequence[str]) -> None:
+  """Raises ValueError for an unknown implementation, RuntimeError for a `gcmoe:<b>` that cannot run here."""
+  for impl in impls:
+    if impl not in IMPLS:
+      raise ValueError(f"bench: impl must be among {list(IMPLS)}, got {impl!r}")
+    if impl.startswith("gcmoe:"):
+      api.explain(impl.split(":", 1)[1])  # raises RuntimeError with the backend's reason
+
+
+class Progress:
+  """A one-line ``\\r`` progress bar on a text stream (stderr), without dependencies."""
+
+  def __init__(self, total: int, stream: TextIO | None = None, width: int = 30):
+    self.total, self.done, self.width = total, 0, width
+    self.stream = sys.stderr if stream is None else stream
+    self.t0 = time.perf_counter()
+
+  def step(self, label: str) -> None:
+    filled = self.width * self.done // max(self.total, 1)
+    elapsed = time.perf_counter() - self.t0
+    self.stream.write(f"\r[{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} "
+                      f"{elapsed:5.1f}s  {label:<28}")
+    self.stream.flush()
+    self.done += 1
+
+  def close(self) -> None:
+    self.done = self.total
+    self.step("done")
+    self.stream.write("\n")
+    self.stream.flush()
+
+
+def run(shape: BenchShape, batches: Sequence[int], impls: Sequence[str] | None = None, *, iters: int = 10,
+        warmup: int = 2, seed: int = 0, bandwidth: float | None = None, bandwidth_nbytes: int | None = None,
+        max_gather_bytes: int = DEFAULT_MAX_GATHER_BYTES, progress: bool = True) -> list[Row]:
+  """Times every implementation at every batch size; one `Row` each, baseline speed-ups filled in.
+
+  Args:
+    shape: the layer (`model_shape` or a custom `BenchShape`).
+    batches: tokens per call, B.
+    impls: names from `IMPLS`; default `default_impls()`.
+    iters, warmup: timed calls (median reported) and untimed calls before them.
+    seed: weights and routes seed (random, never zeros).
+    bandwidth: bytes/s for the floor; measured with `measure_bandwidth` when None.
+    bandwidth_nbytes: the probe's buffer size (`measure_bandwidth`'s default when None).
+    max_gather_bytes: ``dense_gather`` is skipped (with a note) when one slot's gathered weights exceed this.
+    progress: draw a progress bar on stderr.
+
+  Raises:
+    ValueError, RuntimeError: from `check_impls`; ValueError for a batch < 1 or iters < 1.
+  """
+  impls = tuple(default_impls() if impls is None else impls)
+  check_impls(impls)
+  if any(b < 1 for b in batches):
+    raise ValueError(f"bench: batch sizes must be >= 1, got {list(batches)}")
+  if iters < 1:
+    raise ValueError(f"bench: iters must be >= 1, got {iters}")
+  bar = Progress((bandwidth is None) + len(batches) * len(impls)) if progress else None
+  if bar and bandwidth is None:
+    bar.step("measuring bandwidth")
+  bw = measure_bandwidth(bandwidth_nbytes) if bandwidth is None else bandwidth
+  device = jax.devices()[0].device_kind
+  p = _Problem(shape, seed)
+  rows = []
+  for b in batches:
+    x, ids, rw, distinct = p.inputs(b)
+    weight_bytes = round(distinct * p.routed_bytes) + p.shared_bytes
+    for impl in impls:
+      if bar:
+        bar.step(f"{impl} B={b}")
+      row = Row(shape.name, device, impl, b, shape, distinct, weight_bytes, bw)
+      gathered = baselines.dense_gather_bytes(b, shape.hidden, shape.intermediate)
+      if impl == "dense_gather" and gathered > max_gather_bytes:
+        row.note = f"skipped: gathers {gathered / 2**30:.1f} GiB per slot (> --max-gather-gib)"
+      else:
+        fn, args = _impl_call(impl, p, x, ids, rw)
+        try:
+          times = time_call(fn, args, iters=iters, warmup=warmup)
+        except Exception as e:  # noqa: BLE001 - one failing point (e.g. out of memory) must not lose the sweep
+          row.note = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        else:
+          row.latency_us, row.min_us = 1e6 * statistics.median(times), 1e6 * min(times)
+      rows.append(row)
+  if bar:
+    bar.close()
+  _fill_speedups(rows)
+  return rows
+
+
+def _fill_speedups(rows: list[Row]) -> None:
+  base = {(r.impl, r.batch): r.latency_us for r in rows if r.impl in BASELINES}
+  for r in rows:
+    r.speedup = {b: base.get((b, r.batch), math.nan) / r.latency_us for b in BASELINES}
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Reports
+# -----------------------------------------------------------------------------------------------------------------
+
+
+def write_csv(rows: Sequence[Row], path: str | os.PathLike) -> None:
+  """One line per row, columns `CSV_COLUMNS`."""
+  with open(path, "w", newline="") as f:
+    out = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+    out.writeheader()
+    for r in rows:
+      out.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.as_dict().items()})
+
+
+def _fmt(v: float, spec: str) -> str:
+  return "-" if math.isnan(v) else format(v, spec)
+
+
+def to_markdown(rows: Sequence[Row]) -> str:
+  """A Markdown table: latency, floor, latency / floor and the speed-up over each baseline."""
+  head = ["impl", "B", "experts hit", "median us", "floor us", "x floor", "% of floor",
+          *(f"vs {b}" for b in BASELINES), "note"]
+  lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+  for r in rows:
+    cells = [r.impl, str(r.batch), str(r.distinct_experts), _fmt(r.latency_us, ".1f"), _fmt(r.floor_us, ".2f"),
+             _fmt(r.latency_over_floor, ".1f"), _fmt(100.0 / r.latency_over_floor, ".2f"),
+             *(_fmt(r.speedup[b], ".2f") + "x" if not math.isnan(r.speedup[b]) else "-" for b in BASELINES), r.note]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def plot(rows: Sequence[Row], path: str | os.PathLike, *, title: str = "") -> None:
+  """A PNG with three panels over B: latency per implementation, speed-up over each baseline, % of the floor."""
+  import matplotlib
+  import matplotlib.ticker
+
+  matplotlib.use("Agg")  # files only: no display on benchmark machines
+  import matplotlib.pyplot as plt
+
+  impls = list(dict.fromkeys(r.impl for r in rows))
+  colors = {impl: f"C{n}" for n, impl in enumerate(impls)}  # one color per implementation in every panel
+  fig, (ax_lat, ax_up, ax_floor) = plt.subplots(1, 3, figsize=(17, 5))
+  for impl in impls:
+    pts = [r for r in rows if r.impl == impl and not math.isnan(r.latency_us)]
+    if not pts:
+      continue
+    bs, c = [r.batch for r in pts], colors[impl]
+    ax_lat.plot(bs, [r.latency_us for r in pts], marker="o", color=c, label=impl)
+    ax_floor.plot(bs, [100.0 / r.latency_over_floor for r in pts], marker="o", color=c, label=impl)
+    if impl not in BASELINES:
+      for b, style in zip(BASELINES, ("-", "--")):
+        up = [(r.batch, r.speedup[b]) for r in pts if not math.isnan(r.speedup[b])]
+        if up:
+          ax_up.plot(*zip(*up), marker="o", color=c, linestyle=style, label=f"{impl} vs {b}")
+  floor = sorted({(r.batch, r.floor_us) for r in rows})
+  ax_lat.plot(*zip(*floor), color="k", linestyle=":", label="weight-streaming floor")
+  batches = sorted({r.batch for r in rows})
+  for ax, ylabel in ((ax_lat, "median latency (us)"), (ax_up, "speed-up (baseline latency / latency)"),
+                     (ax_floor, "% of the weight-streaming floor (floor / latency)")):
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    ax.set_xlabel("tokens per call B")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    if ax.lines:
+      ax.legend(fontsize=7)
+  ax_up.axhline(1.0, color="k", linewidth=0.8)
+  fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)

@@ -1,0 +1,145 @@
+"""The benchmark: BF16 baselines against the yardstick, a tiny sweep's CSV and PNG, shapes, CLI errors."""
+
+import csv
+import io
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gcmoe_jax as gm
+from gcmoe_jax import __main__ as cli
+from gcmoe_jax import reference
+from gcmoe_jax.bench import baselines, sweep
+from gcmoe_jax.bench.accuracy import cosine
+from gcmoe_jax.bench.problems import Shape, make_problem
+
+TINY = sweep.BenchShape("tiny", experts=4, hidden=512, intermediate=256, top_k=2, clamp=10.0)
+
+
+@pytest.mark.parametrize("family", ["default", "padding"])
+@pytest.mark.parametrize("impl", [baselines.ragged_dot_moe, baselines.dense_gather_moe],
+                         ids=["ragged_dot", "dense_gather"])
+def test_baselines_match_bf16_yardstick(impl, family):
+  p = make_problem(family, Shape(experts=8, hidden=512, intermediate=256, top_k=3, tokens=5,
+                                 shared_intermediate=256), seed=3)
+  x = jnp.asarray(p.x, jnp.bfloat16)
+  bf = lambda a: jnp.asarray(a, jnp.bfloat16)
+  shared = (bf(p.shared[0]), bf(p.shared[1]))
+  ids, w = jnp.asarray(p.ids), jnp.asarray(p.weights)
+  y = jax.jit(lambda *a: impl(*a[:5], shared=a[5], clamp=1.0))(x, bf(p.w13), bf(p.w2), ids, w, shared)
+  want = reference.moe_bf16(x, bf(p.w13), bf(p.w2), ids, w, shared=shared, clamp=1.0)
+  assert y.dtype == jnp.bfloat16 and y.shape == x.shape
+  assert cosine(np.asarray(y, np.float32), np.asarray(want, np.float32)) > 0.999
+
+
+@pytest.fixture(scope="module")
+def tiny_rows():
+  impls = ("ragged_dot", "dense_gather", "emulated", "gcmoe:reference")
+  return sweep.run(TINY, (1, 3), impls, iters=2, warmup=1, bandwidth=2e10, progress=False)
+
+
+def test_sweep_rows(tiny_rows):
+  assert [(r.impl, r.batch) for r in tiny_rows] == [
+    (i, b) for b in (1, 3) for i in ("ragged_dot", "dense_gather", "emulated", "gcmoe:reference")]
+  for r in tiny_rows:
+    assert r.latency_us > 0 and r.min_us <= r.latency_us and r.note == ""
+    assert 1 <= r.distinct_experts <= min(TINY.experts, r.batch * TINY.top_k)
+    assert r.floor_us == pytest.approx(1e6 * r.weight_bytes / 2e10)
+    assert r.speedup[r.impl] == 1.0 if r.impl in sweep.BASELINES else r.speedup["ragged_dot"] > 0
+  # One MXFP4 expert of H x I with its scales: 3 H I / 2 payload bytes + 3 H I / 32 scale bytes.
+  r = tiny_rows[0]
+  assert r.weight_bytes == r.distinct_experts * (3 * 512 * 256 // 2 + 3 * 512 * 256 // 32)
+
+
+def test_sweep_writes_csv_png_and_table(tiny_rows, tmp_path):
+  sweep.write_csv(tiny_rows, tmp_path / "b.csv")
+  sweep.plot(tiny_rows, tmp_path / "b.png", title="tiny")
+  with open(tmp_path / "b.csv") as f:
+    table = list(csv.DictReader(f))
+  assert tuple(table[0]) == sweep.CSV_COLUMNS
+  assert {"impl", "batch", "latency_us", "floor_us", "latency_over_floor", "floor_pct", "speedup_vs_ragged_dot",
+          "speedup_vs_dense_gather", "bandwidth_gbs"} <= set(table[0])
+  assert len(table) == len(tiny_rows)
+  for row, r in zip(table, tiny_rows):
+    assert float(row["latency_over_floor"]) == pytest.approx(r.latency_us / r.floor_us, rel=1e-4)
+    assert float(row["floor_pct"]) == pytest.approx(100 * r.floor_us / r.latency_us, rel=1e-4)
+  assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  md = sweep.to_markdown(tiny_rows).splitlines()
+  assert md[0].startswith("| impl | B |") and len(md) == 2 + len(tiny_rows)
+
+
+def test_dense_gather_skipped_above_budget():
+  rows = sweep.run(TINY, (2,), ("dense_gather",), iters=1, warmup=1, bandwidth=1e10, max_gather_bytes=1,
+                   progress=False)
+  assert math.isnan(rows[0].latency_us) and rows[0].note.startswith("skipped: gathers")
+
+
+def test_measure_bandwidth_and_progress():
+  assert sweep.measure_bandwidth(1 << 20, iters=2) > 1e8  # 100 MB/s: any machine
+  out = io.StringIO()
+  bar = sweep.Progress(2, stream=out)
+  bar.step("a")
+  bar.close()
+  assert out.getvalue().count("\r") == 2 and "2/2" in out.getvalue() and out.getvalue().endswith("\n")
+
+
+def test_model_shapes():
+  glm = sweep.model_shape("glm5.2")
+  assert (glm.experts, glm.hidden, glm.intermediate, glm.top_k, glm.shared_intermediate) == (32, 6144, 2048, 8, None)
+  dsv = sweep.model_shape("dsv4.1-flash", shared=True)
+  assert (dsv.experts, dsv.hidden, dsv.intermediate, dsv.top_k) == (48, 5120, 2304, 6)
+  assert (dsv.shared_intermediate, dsv.shared_group) == (2304, 32)
+  assert sweep.model_shape("demo").experts == 16
+  with pytest.raises(ValueError, match=r"^bench: model must be one of \['demo', 'glm5.2', 'dsv4.1-flash'\], got 'x'$"):
+    sweep.model_shape("x")
+  with pytest.raises(ValueError, match=r"^bench: ranks must divide GLM5.2's E = 256, got 3$"):
+    sweep.model_shape("glm5.2", ranks=3)
+
+
+def test_default_impls_follow_explain():
+  impls = sweep.default_impls()
+  assert impls[:3] == ("ragged_dot", "dense_gather", "emulated")
+  assert {f"gcmoe:{b}" for b, s in gm.explain().reasons if s.ok} == set(impls[3:])
+
+
+def test_run_errors():
+  with pytest.raises(ValueError, match=r"^bench: impl must be among \[.*'ragged_dot'.*\], got 'pallas'$"):
+    sweep.run(TINY, (1,), ("pallas",), progress=False)
+  with pytest.raises(ValueError, match=r"^bench: batch sizes must be >= 1, got \[0\]$"):
+    sweep.run(TINY, (0,), ("ragged_dot",), progress=False)
+  with pytest.raises(ValueError, match=r"^bench: iters must be >= 1, got 0$"):
+    sweep.run(TINY, (1,), ("ragged_dot",), iters=0, progress=False)
+  if not dict(gm.explain().reasons)["cuda"].ok:
+    with pytest.raises(RuntimeError, match=r"^moe: backend='cuda' cannot run here"):
+      sweep.check_impls(("gcmoe:cuda",))
+
+
+@pytest.mark.parametrize("argv, match", [
+  (["--model", "glm5.2", "--experts", "4"], "bench: --experts applies only to --model custom, got --model glm5.2"),
+  (["--model", "custom", "--experts", "4"],
+   ("bench: --model custom requires --experts, --hidden, --intermediate and --topk, got no --hidden, "
+   "--intermediate, --topk")),
+  (["--model", "custom", "--experts", "4", "--hidden", "512", "--intermediate", "256", "--topk", "2",
+    "--shared-intermediate", "256"], "bench: --shared-intermediate requires --shared, got it without --shared"),
+  (["--impl", "ragged_dot,foo"], "bench: impl must be among"),
+  (["--batch", "0", "--impl", "ragged_dot"], r"bench: batch sizes must be >= 1, got \[0\]"),
+  (["--model", "custom", "--experts", "4", "--hidden", "512", "--intermediate", "256", "--topk", "5"],
+   r"bench: top-k must be in \[1, min\(32, E\)\] = \[1, 4\], got 5"),
+])
+def test_cli_errors(argv, match, capsys):
+  assert cli.main(["bench", *argv]) == 2
+  assert re.match(match, capsys.readouterr().err)
+
+
+def test_cli_writes_reports(tmp_path, capsys):
+  rc = cli.main(["bench", "--model", "custom", "--experts", "4", "--hidden", "512", "--intermediate", "256",
+                 "--topk", "2", "--batch", "2", "--impl", "ragged_dot", "--iters", "1", "--out", str(tmp_path)])
+  out = capsys.readouterr()
+  assert rc == 0
+  assert "| ragged_dot | 2 |" in out.out and "measured memory bandwidth" in out.out
+  assert "\r[" in out.err  # the progress bar
+  assert (tmp_path / "bench_custom.csv").exists() and (tmp_path / "bench_custom.png").exists()
