@@ -139,10 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, name) < 1:
       print(f"decode.py: --{name} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
       return 2
-  try:
-    explanation = gm.explain(args.backend)
-  except RuntimeError as e:  # a named backend that cannot run here says why
-    print(f"decode.py: {e}", file=sys.stderr)
+  explanation = gm.explain(args.backend)
+  if explanation.backend is None:  # a named backend that cannot run here says why
+    print(f"decode.py: backend {args.backend!r} cannot run here: {dict(explanation.reasons)[args.backend].reason}",
+          file=sys.stderr)
     return 2
 
   dim, heads, vocab, experts, intermediate, top_k = 512, 4, 512, 8, 256, 2

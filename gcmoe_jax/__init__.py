@@ -7,7 +7,9 @@
 
 from gcmoe_jax.api import BACKENDS as BACKENDS
 from gcmoe_jax.api import Explanation as Explanation
+from gcmoe_jax.api import MAX_TOP_K as MAX_TOP_K
 from gcmoe_jax.api import Routes as Routes
+from gcmoe_jax.api import Support as Support
 from gcmoe_jax.api import explain as explain
 from gcmoe_jax.api import moe as moe
 from gcmoe_jax.formats import ExpertWeights as ExpertWeights

@@ -16,7 +16,7 @@ from gcmoe_jax import ffi, reference
 from gcmoe_jax._support import Support
 from gcmoe_jax.formats import ExpertWeights
 
-__all__ = ["BACKENDS", "Explanation", "Routes", "explain", "moe"]
+__all__ = ["BACKENDS", "Explanation", "MAX_TOP_K", "Routes", "Support", "explain", "moe"]
 
 log = logging.getLogger("gcmoe_jax")
 
@@ -54,12 +54,13 @@ class Routes:
 class Explanation:
   """Which backend `moe` runs for given arguments, and why each other backend was or was not chosen."""
 
-  backend: str
+  backend: str | None  # None: the requested backend cannot run here (`reasons` says why)
   requested: str
   reasons: tuple[tuple[str, Support], ...]
 
   def __str__(self) -> str:
-    lines = [f"gcmoe_jax.moe: backend={self.backend!r} (requested {self.requested!r})"]
+    head = (f"backend={self.backend!r}" if self.backend else f"backend {self.requested!r} cannot run here")
+    lines = [f"gcmoe_jax.moe: {head} (requested {self.requested!r})"]
     for name, s in self.reasons:
       mark = "chosen" if name == self.backend else ("available" if s.ok else "unavailable")
       lines.append(f"  {name:<9} {mark:<11} {s.reason}")
@@ -147,17 +148,17 @@ def _choose(requested: str, platform: str) -> Explanation:
   if requested == "auto":
     backend = next(name for name, s in reasons if s.ok)
   else:
-    s = dict(reasons)[requested]
-    if not s.ok:
-      raise RuntimeError(f"moe: backend={requested!r} cannot run here: {s.reason}")
-    backend = requested
+    backend = requested if dict(reasons)[requested].ok else None
   result = Explanation(backend, requested, reasons)
   log.info("%s", result)
   return result
 
 
 def explain(backend: str = "auto") -> Explanation:
-  """Returns which backend `moe(..., backend=backend)` runs on the default device, with the reason for each."""
+  """Returns which backend `moe(..., backend=backend)` runs on the default device, with the reason for each.
+
+  Never raises for an unavailable backend: ``Explanation.backend`` is then None and the reasons say why.
+  """
   if backend not in BACKENDS:
     raise ValueError(f"explain: backend must be one of {BACKENDS}, got {backend!r}")
   return _choose(backend, jax.default_backend())
@@ -199,7 +200,10 @@ def moe(x: jax.Array, w: ExpertWeights, routes: Routes, *, clamp: float | None =
       concrete. RuntimeError: when a named backend cannot run here (the reason is in the message).
   """
   _check_args(x, w, routes, clamp, backend)
-  chosen = explain(backend).backend
+  explanation = explain(backend)
+  chosen = explanation.backend
+  if chosen is None:
+    raise RuntimeError(f"moe: backend={backend!r} cannot run here: {dict(explanation.reasons)[backend].reason}")
   ids, weights = routes.ids, routes.weights.astype(jnp.float32)
   clamp = None if clamp is None else float(clamp)
   if chosen == "reference":

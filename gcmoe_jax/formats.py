@@ -32,6 +32,7 @@ intermediate column (rows ``r`` and ``r + 8``), so the SwiGLU epilogue needs no 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -386,14 +387,23 @@ def _require_finite(name: str, w: jax.Array) -> None:
                      f"the first at index {where}")
 
 
-def _quantize_routed(w: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """``[E, K, N]`` (x @ W orientation) -> (payload ``[E, K/128, N, 64]``, scales ``[E, N, K/128]``)."""
+@functools.partial(jax.jit, static_argnames=("gate_up",))
+def _quantize_routed(w: jax.Array, gate_up: bool = False) -> tuple[jax.Array, jax.Array]:
+  """``[E, K, N]`` (x @ W orientation) -> (payload ``[E, K/128, N, 64]``, scales ``[E, N, K/128]``).
+
+  Jitted: eagerly, the transform is ~100 small ops, each compiled on first use.
+  """
+  if gate_up:
+    w = gate_up_interleave(w)
   codes, sb = quantize_mx(jnp.swapaxes(w, 1, 2), fmt="e2m1")
   return _pack_fp4_payload(codes), pack_scales(sb)
 
 
-def _quantize_shared(w: jax.Array, group: int) -> tuple[jax.Array, jax.Array]:
+@functools.partial(jax.jit, static_argnames=("group", "gate_up"))
+def _quantize_shared(w: jax.Array, group: int, gate_up: bool = False) -> tuple[jax.Array, jax.Array]:
   """``[K, N]`` -> (payload int8 ``[K/128, N, 128]``, scales int32 ``[N, ceil(K / (4 group))]``)."""
+  if gate_up:
+    w = gate_up_interleave(w)
   k, n = w.shape
   codes, sb = quantize_mx(w.T, fmt="e4m3", group=group)
   payload = codes.reshape(n, k // K_TILE, K_TILE).transpose(1, 0, 2)
@@ -436,7 +446,7 @@ def quantize_experts(w13: jax.Array, w2: jax.Array, *, shared: tuple[jax.Array, 
   _check_dim("quantize_experts", "I (w13.shape[2] / 2)", two_i // 2, 256, 4096)
   _require_finite("w13", w13)
   _require_finite("w2", w2)
-  p13, s13 = _quantize_routed(gate_up_interleave(w13))
+  p13, s13 = _quantize_routed(w13, gate_up=True)
   p2, s2 = _quantize_routed(w2)
   sw = None
   if shared is not None:
@@ -458,7 +468,7 @@ def _quantize_shared_pair(shared: Any, h: int, group: int) -> SharedWeights:
   _check_dim("quantize_experts", "Is (s13.shape[1] / 2)", i_s, 256, 4096)
   _require_finite("shared s13", s13)
   _require_finite("shared s2", s2)
-  p13, sc13 = _quantize_shared(gate_up_interleave(s13), group)
+  p13, sc13 = _quantize_shared(s13, group, gate_up=True)
   p2, sc2 = _quantize_shared(s2, group)
   return SharedWeights(p13, sc13, p2, sc2, h, i_s, group)
 

@@ -238,7 +238,10 @@ def check_impls(impls: Sequence[str]) -> None:
     if impl not in IMPLS:
       raise ValueError(f"bench: impl must be among {list(IMPLS)}, got {impl!r}")
     if impl.startswith("gcmoe:"):
-      api.explain(impl.split(":", 1)[1])  # raises RuntimeError with the backend's reason
+      backend = impl.split(":", 1)[1]
+      e = api.explain(backend)
+      if e.backend is None:
+        raise RuntimeError(f"moe: backend={backend!r} cannot run here: {dict(e.reasons)[backend].reason}")
 
 
 class Progress:
