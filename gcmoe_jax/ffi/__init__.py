@@ -1,14 +1,19 @@
-"""The XLA FFI primitive (placeholder until the C++ library lands: every platform reports unavailable)."""
+"""The XLA FFI custom call ``gcmoe_moe_v1``: library loading, registration, the primitive path and its rules.
 
-from __future__ import annotations
+``libgcmoe_jax_ffi.so`` (built from ``csrc/`` by ``pip install .``) holds the CPU handler and, when built with a CUDA
+toolkit, the CUDA handler. It is loaded and its targets registered lazily, once, on first use (`_library`); calls go
+through one `jax.ffi.ffi_call` path (`_moe`).
+"""
 
-from gcmoe_jax._support import Support
-
-
-def platform_support(platform: str) -> Support:
-  """Whether the FFI handler for ``platform`` ("cpu" or "cuda") is built and registered."""
-  return Support(False, f"the gcmoe_jax FFI library is not built yet (no {platform} handler)")
-
-
-def moe_call(x, w, ids, weights, *, clamp):
-  raise RuntimeError("gcmoe_jax FFI library is not built")
+from gcmoe_jax.ffi._library import CUDA_PENDING as CUDA_PENDING
+from gcmoe_jax.ffi._library import TARGET as TARGET
+from gcmoe_jax.ffi._library import LibraryInfo as LibraryInfo
+from gcmoe_jax.ffi._library import library as library
+from gcmoe_jax.ffi._library import library_info as library_info
+from gcmoe_jax.ffi._library import platform_support as platform_support
+from gcmoe_jax.ffi._moe import FORWARD_ONLY as FORWARD_ONLY
+from gcmoe_jax.ffi._moe import Flag as Flag
+from gcmoe_jax.ffi._moe import MoeAttrs as MoeAttrs
+from gcmoe_jax.ffi._moe import moe_call as moe_call
+from gcmoe_jax.ffi._moe import moe_ffi as moe_ffi
+from gcmoe_jax.ffi._moe import no_shared_operands as no_shared_operands

@@ -1,0 +1,158 @@
+"""The ``gcmoe_moe_v1`` custom call: attributes, the one `jax.ffi.ffi_call` path, and its transformation rules.
+
+* **Lowering.** One target name for every platform; XLA picks the handler registered for the platform it compiles
+  for (``cpu``: ``GcmoeMoeCpu``; ``CUDA``: ``GcmoeMoeCudaInstantiate`` + ``GcmoeMoeCudaExecute``).
+* **vmap.** ``vmap_method="sequential"``: a batched call becomes a loop (``lax.map``) of unbatched calls, one per
+  batch element, so any mix of batched operands (tokens, routes, even weights) is computed exactly as the unbatched
+  op would. Callers that batch only tokens get the same numbers faster by folding the batch into T themselves.
+* **Differentiation.** The op is forward-only (a decode operator over quantized weights): `jax.grad`, `jax.jvp`,
+  `jax.vjp` and `jax.linearize` raise `TypeError` with `FORWARD_ONLY`, via a `jax.custom_jvp` whose rule raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gcmoe_jax import _compat
+from gcmoe_jax.ffi import _library
+from gcmoe_jax.formats import ExpertWeights
+
+FORWARD_ONLY = ("gcmoe_jax.moe is forward-only: it has no JVP or VJP (a decode operator over quantized weights); "
+                "differentiate the dense model (reference.moe_bf16) instead, or wrap the call in jax.lax.stop_gradient")
+
+
+class Flag(enum.IntFlag):
+  """Bits of the ``flags`` attribute (C++ ``gcmoe::MoeFlags`` in csrc/moe.h)."""
+
+  HAS_SHARED = 1
+  HAS_CLAMP = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeAttrs:
+  """The static attributes of one call (baked into the HLO; hashable, so usable as a static argument).
+
+  Attributes:
+    hidden, intermediate, num_experts, top_k: H, I, E and k.
+    shared_intermediate, shared_group: Is and the shared K-group (32 or 128), both 0 without a shared expert.
+    clamp: the SwiGLU clamp, or None.
+  """
+
+  hidden: int
+  intermediate: int
+  num_experts: int
+  top_k: int
+  shared_intermediate: int = 0
+  shared_group: int = 0
+  clamp: float | None = None
+
+  @classmethod
+  def from_weights(cls, w: ExpertWeights, top_k: int, clamp: float | None) -> MoeAttrs:
+    e, h, i, i_s, group = w.config
+    return cls(h, i, e, int(top_k), i_s or 0, group or 0, None if clamp is None else float(clamp))
+
+  @property
+  def flags(self) -> Flag:
+    f = Flag(0)
+    if self.shared_intermediate:
+      f |= Flag.HAS_SHARED
+    if self.clamp is not None:
+      f |= Flag.HAS_CLAMP
+    return f
+
+  def ffi_attributes(self) -> dict[str, np.generic]:
+    """Typed attributes as the handlers bind them (``int64`` and ``float32`` numpy scalars, never Python numbers)."""
+    return {
+      "H": np.int64(self.hidden),
+      "I": np.int64(self.intermediate),
+      "E": np.int64(self.num_experts),
+      "k": np.int64(self.top_k),
+      "Is": np.int64(self.shared_intermediate),
+      "group": np.int64(self.shared_group),
+      # float32, as the reference holds the clamp before its bf16 rounding (jnp.asarray(clamp) is float32).
+      "clamp": np.float32(0.0 if self.clamp is None else self.clamp),
+      "flags": np.int64(int(self.flags)),
+    }
+
+
+def _ffi_call(attrs: MoeAttrs, x, *operands):
+  call = jax.ffi.ffi_call(_library.TARGET, _compat.ffi_result_like(x), vmap_method="sequential")
+  return call(x, *operands, **attrs.ffi_attributes())
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _moe_forward_only(attrs: MoeAttrs, *operands):
+  return _ffi_call(attrs, *operands)
+
+
+@_moe_forward_only.defjvp
+def _moe_jvp(attrs, primals, tangents):
+  del attrs, primals, tangents
+  raise TypeError(FORWARD_ONLY)
+
+
+def _require_library() -> None:
+  info = _library.library_info()
+  if info.error is not None:
+    raise RuntimeError(f"gcmoe_jax FFI: {info.error}")
+
+
+def moe_ffi(x: jax.Array, w13: jax.Array, w13_scale: jax.Array, w2: jax.Array, w2_scale: jax.Array, ids: jax.Array,
+            weights: jax.Array, s13: jax.Array, s13_scale: jax.Array, s2: jax.Array, s2_scale: jax.Array, *,
+            attrs: MoeAttrs) -> jax.Array:
+  """The raw custom call over Table 10 buffers: no Python checks (the handler checks every buffer and id).
+
+  For tests and for callers that hold the packed buffers themselves; `moe_call` is the checked entry.
+
+  Args:
+    x: bfloat16 ``[T, H]``.
+    w13, w13_scale, w2, w2_scale: routed payloads and scales (`ExpertWeights` fields).
+    ids: int32 ``[T, k]``; weights: float32 ``[T, k]``.
+    s13, s13_scale, s2, s2_scale: the shared expert (`SharedWeights` fields), or empty placeholders
+      (`no_shared_operands`) when ``attrs.shared_intermediate == 0``.
+    attrs: the static attributes.
+
+  Returns:
+    bfloat16 ``[T, H]``.
+
+  Raises:
+    RuntimeError: when the library is not loaded. Errors of the handler (a bad shape, an id >= E) surface when the
+      call runs, as the runtime error of jax, with the handler's message.
+  """
+  _require_library()
+  return _moe_forward_only(attrs, x, w13, w13_scale, w2, w2_scale, ids, weights, s13, s13_scale, s2, s2_scale)
+
+
+def no_shared_operands() -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """The empty ``(s13, s13_scale, s2, s2_scale)`` placeholders of a call without a shared expert."""
+  return (jnp.zeros((0, 0, 0), jnp.int8), jnp.zeros((0, 0), jnp.int32), jnp.zeros((0, 0, 0), jnp.int8),
+          jnp.zeros((0, 0), jnp.int32))
+
+
+def moe_call(x: jax.Array, w: ExpertWeights, ids: jax.Array, weights: jax.Array, *,
+             clamp: float | None) -> jax.Array:
+  """The operator through the FFI handler of the platform it is compiled for (arguments checked by `gcmoe_jax.moe`).
+
+  Args:
+    x: bfloat16 ``[T, H]``.
+    w: `ExpertWeights`.
+    ids: int32 ``[T, k]`` (ids < 0: padding; ids >= E: the handler returns an error naming the id, token and slot).
+    weights: float32 ``[T, k]``.
+    clamp: the SwiGLU clamp, or None.
+
+  Returns:
+    bfloat16 ``[T, H]``, bit-identical to `reference.moe_emulated` on the CPU handler.
+  """
+  if clamp is not None and not math.isfinite(clamp):
+    raise ValueError(f"moe: clamp must be finite, got {clamp}")
+  attrs = MoeAttrs.from_weights(w, ids.shape[1], clamp)
+  s = w.shared
+  shared = no_shared_operands() if s is None else (s.s13, s.s13_scale, s.s2, s.s2_scale)
+  return moe_ffi(x, w.w13, w.w13_scale, w.w2, w.w2_scale, ids, weights, *shared, attrs=attrs)

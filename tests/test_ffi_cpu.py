@@ -1,0 +1,350 @@
+"""The C++ CPU handler (csrc/) through `gcmoe_jax.moe(..., backend="cpu")`: bit for bit `reference.moe_emulated`.
+
+Comparisons are of the BF16 bit patterns (``view(np.uint16)``), NaN positions compared separately (NaN payloads are
+not part of the contract). Skipped, with the library's own reason, when libgcmoe_jax_ffi.so is not built.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gcmoe_jax as gm
+from gcmoe_jax import ffi, formats, reference
+from gcmoe_jax.ffi import _library
+
+_SUPPORT = ffi.platform_support("cpu")
+pytestmark = pytest.mark.skipif(not _SUPPORT.ok, reason=_SUPPORT.reason)
+
+E, H, I, IS = 8, 512, 256, 256
+T, K = 16, 4
+CLAMP = 10.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Inputs (random, never zeros) and the oracle
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _quantized(shared_group: int | None) -> gm.ExpertWeights:
+  """Weights through `quantize_experts` (jit-compiled: the eager transform takes seconds)."""
+  rng = np.random.default_rng(7)
+  w13 = rng.standard_normal((E, H, 2 * I), np.float32) / np.sqrt(H)
+  w2 = rng.standard_normal((E, I, H), np.float32) / np.sqrt(I)
+  s13 = rng.standard_normal((H, 2 * IS), np.float32) / np.sqrt(H)
+  s2 = rng.standard_normal((IS, H), np.float32) / np.sqrt(IS)
+  quantize = jax.jit(gm.quantize_experts, static_argnames="shared_group")
+  w = quantize(w13, w2, shared=(s13, s2), shared_group=shared_group or 128)
+  return w if shared_group else dataclasses.replace(w, shared=None)
+
+
+@functools.cache
+def _random_codes() -> gm.ExpertWeights:
+  """Weights made of random payload bytes (every E2M1 code, every finite E4M3 byte) and random scale bytes."""
+  rng = np.random.default_rng(11)
+
+  def scales(shape, lo, hi):
+    b = rng.integers(lo, hi + 1, (*shape, 4), dtype=np.uint32)
+    return (b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16 | b[..., 3] << 24).view(np.int32)
+
+  def e4m3(shape):
+    b = rng.integers(0, 256, shape, dtype=np.uint8)
+    b[(b & 0x7F) == 0x7F] ^= 1  # weights are finite: no E4M3 NaN
+    return b.view(np.int8)
+
+  group = 32
+  shared = formats.SharedWeights(
+    e4m3((H // 128, 2 * IS, 128)), scales((2 * IS, -(-H // (4 * group))), 110, 114),
+    e4m3((IS // 128, H, 128)), scales((H, -(-IS // (4 * group))), 110, 114), H, IS, group)
+  return gm.ExpertWeights(
+    rng.integers(-128, 128, (E, H // 128, 2 * I, 64), dtype=np.int8), scales((E, 2 * I, H // 128), 119, 123),
+    rng.integers(-128, 128, (E, I // 128, H, 64), dtype=np.int8), scales((E, H, I // 128), 119, 123),
+    shared, E, H, I)
+
+
+def _x(t: int, seed: int = 0, scale: float = 1.0) -> jax.Array:
+  return jnp.asarray(np.random.default_rng(seed).standard_normal((t, H), np.float32) * scale, jnp.bfloat16)
+
+
+def _weights(t: int, k: int, seed: int = 1) -> jax.Array:
+  return jnp.asarray(np.random.default_rng(seed).uniform(0.05, 1.0, (t, k)), jnp.float32)
+
+
+def _distinct_ids(t: int, k: int, seed: int = 2, p: np.ndarray | None = None) -> jax.Array:
+  rng = np.random.default_rng(seed)
+  return jnp.asarray(np.stack([rng.choice(E, k, replace=False, p=p) for _ in range(t)]).reshape(t, k), jnp.int32)
+
+
+_reference = jax.jit(reference.moe_emulated, static_argnames="clamp")
+
+
+def _cpu(x, w, ids, weights, clamp, jit: bool) -> jax.Array:
+  f = lambda x, w, ids, weights: gm.moe(x, w, gm.Routes(ids, weights), clamp=clamp, backend="cpu")
+  return (jax.jit(f) if jit else f)(x, w, ids, weights)
+
+
+def assert_bitwise_equal(y: jax.Array, expected: jax.Array, ids: jax.Array) -> None:
+  """Equal BF16 bits, NaN where and only where the oracle has NaN; names the first mismatch and its routes."""
+  y, expected = np.asarray(y), np.asarray(expected)
+  assert y.shape == expected.shape and y.dtype == expected.dtype == jnp.bfloat16, (y.shape, expected.shape)
+  y_nan, e_nan = np.isnan(y.astype(np.float32)), np.isnan(expected.astype(np.float32))
+  bad = (y.view(np.uint16) != expected.view(np.uint16)) & ~(y_nan & e_nan)
+  if bad.any():
+    t, n = (int(v) for v in np.argwhere(bad)[0])
+    raise AssertionError(f"{int(bad.sum())} of {bad.size} outputs differ; first at token {t}, column {n}: "
+                         f"got {y[t, n]} (0x{y.view(np.uint16)[t, n]:04x}), expected {expected[t, n]} "
+                         f"(0x{expected.view(np.uint16)[t, n]:04x}); routes {np.asarray(ids)[t].tolist()}")
+
+
+def _check(x, w, ids, weights, clamp=CLAMP, modes=("eager", "jit")) -> jax.Array:
+  expected = _reference(x, w, ids, weights, clamp=clamp)
+  for mode in modes:
+    assert_bitwise_equal(_cpu(x, w, ids, weights, clamp, jit=mode == "jit"), expected, ids)
+  return expected
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bit-exactness
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shared_group", [None, 32, 128], ids=["no_shared", "shared_g32", "shared_g128"])
+@pytest.mark.parametrize("clamp", [None, CLAMP], ids=["no_clamp", "clamp10"])
+def test_random_routing(shared_group, clamp):
+  _check(_x(T), _quantized(shared_group), _distinct_ids(T, K), _weights(T, K), clamp=clamp)
+
+
+def test_random_codes_and_scales():
+  w = _random_codes()
+  _check(_x(T, seed=3), w, _distinct_ids(T, K, seed=4), _weights(T, K, seed=5))
+
+
+_ROUTINGS = {
+  "all_to_expert_0": lambda: jnp.zeros((T, K), jnp.int32),
+  "all_to_expert_E-1": lambda: jnp.full((T, K), E - 1, jnp.int32),
+  "same_k_experts": lambda: jnp.tile(jnp.asarray([5, 1, 6, 2], jnp.int32), (T, 1)),
+  "zipf_skewed": lambda: _distinct_ids(T, K, seed=9, p=(1.0 / np.arange(1, E + 1) ** 1.5) / np.sum(
+    1.0 / np.arange(1, E + 1) ** 1.5)),
+  "padding": lambda: _distinct_ids(T, K, seed=10).at[::3, 1].set(-1).at[5].set(-1).at[7, 3].set(-7),
+}
+
+
+@pytest.mark.parametrize("routing", list(_ROUTINGS))
+def test_routing_patterns(routing):
+  _check(_x(T, seed=6), _quantized(128), _ROUTINGS[routing](), _weights(T, K, seed=8))
+
+
+@pytest.mark.parametrize("k", [1, E], ids=["k1", "k_max"])
+def test_top_k_bounds(k):
+  _check(_x(T), _quantized(32), _distinct_ids(T, k), _weights(T, k), modes=("jit",))
+
+
+def test_zero_tokens():
+  y = _check(_x(0), _quantized(128), jnp.zeros((0, K), jnp.int32), jnp.zeros((0, K), jnp.float32))
+  assert y.shape == (0, H)
+
+
+def test_several_token_chunks():
+  # The handler works in chunks of 64 tokens; 150 tokens with padding cross two chunk boundaries.
+  t, k = 150, 2
+  _check(_x(t, seed=12), _quantized(128), _distinct_ids(t, k, seed=13).at[64, 0].set(-1), _weights(t, k),
+         modes=("jit",))
+
+
+def test_nan_propagates_to_exactly_the_affected_tokens():
+  x = _x(T, seed=14)
+  x = x.at[3, 17].set(jnp.nan).at[11, 500].set(jnp.inf)  # an Inf becomes an E4M3 NaN as well
+  expected = _check(x, _quantized(128), _distinct_ids(T, K), _weights(T, K))
+  y = np.asarray(_cpu(x, _quantized(128), _distinct_ids(T, K), _weights(T, K), CLAMP, jit=True), np.float32)
+  assert np.isnan(y).any(axis=1).nonzero()[0].tolist() == [3, 11]
+  assert np.isnan(y[[3, 11]]).all()
+  assert not np.isnan(np.asarray(expected, np.float32)[[0, 1, 2, 4]]).any()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The codecs, exhaustively (through the library's test entry points)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _hook(name: str):
+  fn = getattr(ffi.library(), name, None)
+  if fn is None:
+    pytest.skip(f"{ffi.library_info().path} has no {name} (rebuild the library)")
+  return fn
+
+
+def test_silu_table_is_the_references_for_every_bf16():
+  out = np.empty(1 << 16, np.float32)
+  _hook("gcmoe_test_silu_table")(out.ctypes.data_as(ctypes.c_void_p))
+  expected = reference.silu_table()
+  nan = np.isnan(expected)
+  assert (np.isnan(out) == nan).all()
+  bad = np.flatnonzero(out.view(np.uint32)[~nan] != expected.view(np.uint32)[~nan])
+  assert bad.size == 0, f"{bad.size} entries differ, first at bf16 0x{np.flatnonzero(~nan)[bad[0]]:04x}"
+
+
+@pytest.mark.parametrize("layout", ["sorted", "shuffled"])
+def test_mxfp8_is_the_references_for_every_bf16(layout):
+  # Every bf16 bit pattern except the subnormals (XLA:CPU flushes those to zero, the handler does not), in blocks of
+  # similar magnitudes (sorted) and of mixed ones (shuffled).
+  bits = np.arange(1 << 16, dtype=np.uint16)
+  bits = bits[((bits >> 7) & 0xFF != 0) | ((bits & 0x7F) == 0)]
+  if layout == "shuffled":
+    bits = np.random.default_rng(0).permutation(bits)
+  k = 512
+  pad = (-bits.size) % k
+  bits = np.concatenate([bits, np.full(pad, 0x3F80, np.uint16)]).reshape(-1, k)
+  m = bits.shape[0]
+  ints, exps, nans = np.empty((m, k), np.int32), np.empty((m, k // 32), np.int32), np.empty((m, k // 32), np.uint8)
+  ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)
+  _hook("gcmoe_test_mxfp8")(ptr(bits), ctypes.c_int64(m), ctypes.c_int64(k), ptr(ints), ptr(exps), ptr(nans))
+  e_ints, e_nans, e_exps = (np.asarray(a) for a in jax.jit(reference.mxfp8)(jnp.asarray(bits.view(jnp.bfloat16))))
+  np.testing.assert_array_equal(exps, e_exps)
+  np.testing.assert_array_equal(nans.astype(bool), e_nans)
+  np.testing.assert_array_equal(ints, e_ints)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Lowering, errors, transformations
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_lowered_hlo_names_the_custom_call():
+  w = _quantized(32)
+  f = jax.jit(lambda x, w, r: gm.moe(x, w, r, clamp=CLAMP, backend="cpu"))
+  text = f.lower(_x(T), w, gm.Routes(_distinct_ids(T, K), _weights(T, K))).as_text()
+  assert ffi.TARGET in text
+  for attr in ("H = 512", "I = 256", "E = 8", "k = 4", "Is = 256", "group = 32", "flags = 3"):
+    assert attr in text, attr
+
+
+def test_out_of_range_id_under_jit_raises_naming_the_id():
+  ids = _distinct_ids(T, K).at[3, 1].set(E + 1)  # traced under jit: the Python pre-check cannot see it
+  f = jax.jit(lambda x, w, r: gm.moe(x, w, r, backend="cpu"))
+  with pytest.raises(Exception, match=r"expert id 9 at token 3, slot 1 is out of range \[0, E = 8\)"):
+    np.asarray(f(_x(T), _quantized(None), gm.Routes(ids, _weights(T, K))))
+
+
+def test_out_of_range_id_eagerly_is_caught_before_the_handler():
+  ids = _distinct_ids(T, K).at[0, 2].set(E)
+  with pytest.raises(ValueError, match=r"routes.ids must be < E = 8"):
+    gm.moe(_x(T), _quantized(None), gm.Routes(ids, _weights(T, K)), backend="cpu")
+
+
+def _raw_operands(w: gm.ExpertWeights, t: int = 4) -> list:
+  s = w.shared
+  shared = ffi.no_shared_operands() if s is None else [s.s13, s.s13_scale, s.s2, s.s2_scale]
+  return [_x(t), w.w13, w.w13_scale, w.w2, w.w2_scale, _distinct_ids(t, K), _weights(t, K), *shared]
+
+
+def test_mismatched_buffer_reaching_the_handler():
+  w = _quantized(None)
+  ops = _raw_operands(w)
+  ops[2] = jnp.zeros((E, 2 * I, H // 128 + 1), jnp.int32) + 0x7F7F7F7F
+  attrs = ffi.MoeAttrs.from_weights(w, K, CLAMP)
+  with pytest.raises(Exception, match=r"gcmoe_moe: w13_scale: expected \[8, 512, 4\] int32, got \[8, 512, 5\] int32"):
+    np.asarray(ffi.moe_ffi(*ops, attrs=attrs))
+
+
+def test_wrong_dtype_reaching_the_handler():
+  w = _quantized(128)
+  ops = _raw_operands(w)
+  ops[0] = ops[0].astype(jnp.float32)
+  with pytest.raises(Exception, match=r"gcmoe_moe: x: expected \[4, 512\] bfloat16, got \[4, 512\] float32"):
+    np.asarray(ffi.moe_ffi(*ops, attrs=ffi.MoeAttrs.from_weights(w, K, None)))
+
+
+def test_bad_attribute_reaching_the_handler():
+  w = _quantized(128)
+  attrs = dataclasses.replace(ffi.MoeAttrs.from_weights(w, K, CLAMP), shared_group=64)
+  with pytest.raises(Exception, match=r"gcmoe_moe requires attribute group to be 32 or 128, got 64"):
+    np.asarray(ffi.moe_ffi(*_raw_operands(w), attrs=attrs))
+
+
+def test_missing_shared_placeholders_are_checked():
+  w = _quantized(128)
+  attrs = dataclasses.replace(ffi.MoeAttrs.from_weights(w, K, CLAMP), shared_intermediate=0, shared_group=0)
+  with pytest.raises(Exception, match=r"gcmoe_moe: s13: expected \[0, 0, 0\] int8, got \[4, 512, 128\] int8"):
+    np.asarray(ffi.moe_ffi(*_raw_operands(w), attrs=attrs))
+
+
+def test_vmap_is_sequential_and_exact():
+  # vmap_method="sequential": each batch element is one unbatched call (here: batched tokens and routes).
+  w, b = _quantized(128), 3
+  xs = jnp.stack([_x(T, seed=20 + i) for i in range(b)])
+  ids = jnp.stack([_distinct_ids(T, K, seed=30 + i) for i in range(b)])
+  wts = jnp.stack([_weights(T, K, seed=40 + i) for i in range(b)])
+  f = jax.vmap(lambda x, i, wt: gm.moe(x, w, gm.Routes(i, wt), clamp=CLAMP, backend="cpu"))
+  ys = jax.jit(f)(xs, ids, wts)
+  assert ys.shape == (b, T, H)
+  for i in range(b):
+    assert_bitwise_equal(ys[i], _reference(xs[i], w, ids[i], wts[i], clamp=CLAMP), ids[i])
+  text = jax.jit(f).lower(xs, ids, wts).as_text()
+  assert "stablehlo.while" in text and text.count(ffi.TARGET) == 1  # one call inside a loop over the batch
+
+
+def test_grad_raises_forward_only():
+  w, ids, wts = _quantized(None), _distinct_ids(T, K), _weights(T, K)
+  loss = lambda x: gm.moe(x, w, gm.Routes(ids, wts), backend="cpu").astype(jnp.float32).sum()
+  with pytest.raises(TypeError, match="gcmoe_jax.moe is forward-only"):
+    jax.grad(loss)(_x(T).astype(jnp.float32).astype(jnp.bfloat16))
+  with pytest.raises(TypeError, match="gcmoe_jax.moe is forward-only"):
+    jax.jvp(loss, (_x(T),), (jnp.ones((T, H), jnp.bfloat16),))
+
+
+def test_forward_under_grad_of_something_else_runs():
+  # Only differentiating *through* the op is an error; a call whose inputs carry no tangent runs normally.
+  w, ids, wts, x = _quantized(None), _distinct_ids(T, K), _weights(T, K), _x(T)
+  g = jax.grad(lambda s: s * gm.moe(x, w, gm.Routes(ids, wts), backend="cpu").astype(jnp.float32).sum())(2.0)
+  assert np.isfinite(g)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Library, registration, support
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_flags_mirror_the_cpp_enum():
+  assert ffi.library_info().build["flags"] == {"has_shared": int(ffi.Flag.HAS_SHARED),
+                                               "has_clamp": int(ffi.Flag.HAS_CLAMP)}
+
+
+def test_library_info_describes_the_cpu_target():
+  info = ffi.library_info()
+  assert info.error is None and info.path is not None
+  assert info.registered["cpu"].ok
+  assert info.compiled_ffi_api <= info.runtime_ffi_api
+  assert ffi.TARGET in str(info)
+
+
+def test_cuda_is_not_supported_until_the_runtime_lands():
+  assert ffi.platform_support("cuda") == (False, ffi.CUDA_PENDING)
+  assert ffi.CUDA_PENDING == "CUDA runtime not implemented yet (issue 5)"
+
+
+def test_unknown_platform_is_a_value_error():
+  with pytest.raises(ValueError, match="platform must be 'cpu' or 'cuda', got 'tpu'"):
+    ffi.platform_support("tpu")
+
+
+def test_library_override_that_does_not_exist(monkeypatch, tmp_path):
+  monkeypatch.setattr(_library, "_STATE", _library._State())
+  monkeypatch.setenv(_library.ENV_LIBRARY, str(tmp_path / "missing.so"))
+  s = ffi.platform_support("cpu")
+  assert not s.ok and f"$GCMOE_FFI_LIBRARY={tmp_path / 'missing.so'} is not a loadable library (absent)" in s.reason
+
+
+def test_library_override_that_is_not_a_library(monkeypatch, tmp_path):
+  bogus = tmp_path / "libgcmoe_jax_ffi.so"
+  bogus.write_text("not an ELF file")
+  monkeypatch.setattr(_library, "_STATE", _library._State())
+  monkeypatch.setenv(_library.ENV_LIBRARY, str(bogus))
+  s = ffi.platform_support("cpu")
+  assert not s.ok and "cannot load" in s.reason
