@@ -1,0 +1,190 @@
+"""The per-shard expert-parallel body: dispatch, the local grouped op, combine (DESIGN §2 step 6, §6)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gcmoe_jax.formats import ExpertWeights
+from gcmoe_jax.sharding import _transport as tr
+
+LocalFn = Callable[..., jax.Array]
+"""``local_fn(x_rows [M, H] bf16, w_local, local_ids [M, k] int32, weights [M, k] f32, *, clamp) -> [M, H] bf16``."""
+
+
+class EPStats(NamedTuple):
+  """What the transport did, summed (or maxed) over the expert-parallel axis: the same value on every rank.
+
+  Attributes:
+    overflow: int32 ``[]``: routes that did not fit in their peer's ``capacity`` rows. Their tokens are NaN.
+    invalid: int32 ``[]``: routes with an expert id >= E (a user error). Their tokens are NaN.
+    max_load: int32 ``[]``: the most routes one rank had for one peer, i.e. the smallest ``capacity`` with no
+      overflow for this batch.
+  """
+
+  overflow: jax.Array
+  invalid: jax.Array
+  max_load: jax.Array
+
+
+def check_common(x: Any, w: Any, ids: Any, weights: Any, local_fn: Any, transport: Any, capacity: Any) -> None:
+  """Trace-time checks shared by both entry points (TypeError for types and ranks, ValueError for values)."""
+  if not isinstance(w, ExpertWeights):
+    raise TypeError(f"moe: w must be gcmoe_jax.ExpertWeights, got {type(w).__name__}")
+  if not callable(local_fn):
+    raise TypeError(f"moe: local_fn must be callable, got {type(local_fn).__name__}")
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise TypeError(f"moe: x must be an array, got {type(x).__name__}")
+  if x.dtype != jnp.bfloat16:
+    raise TypeError(f"moe: x must have dtype bfloat16, got {x.dtype}")
+  if x.ndim != 2:
+    raise TypeError(f"moe: x must be rank 2 [T, H], got shape {list(x.shape)}")
+  if x.shape[1] != w.hidden:
+    raise ValueError(f"moe: x.shape[1] (H) must equal the experts' hidden size {w.hidden}, got {x.shape[1]}")
+  for name, a in (("ids", ids), ("weights", weights)):
+    if not hasattr(a, "shape") or a.ndim != 2:
+      raise TypeError(f"moe: {name} must be rank 2 [T, k], got shape {list(getattr(a, 'shape', ()))}")
+  if ids.dtype != jnp.int32:
+    raise TypeError(f"moe: ids must have dtype int32, got {ids.dtype}")
+  if not jnp.issubdtype(weights.dtype, jnp.floating):
+    raise TypeError(f"moe: weights must be float32, got {weights.dtype}")
+  if ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
+    raise ValueError(f"moe: ids and weights must have shape [T, k] with T = x.shape[0] = {x.shape[0]}, got "
+                     f"{list(ids.shape)} and {list(weights.shape)}")
+  if transport not in tr.TRANSPORTS:
+    raise ValueError(f"moe: transport must be one of {tr.TRANSPORTS}, got {transport!r}")
+  if capacity is not None:
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
+      raise TypeError(f"moe: capacity must be an int or None, got {type(capacity).__name__}")
+    if capacity < 1:
+      raise ValueError(f"moe: capacity must be >= 1 (rows per peer), got {capacity}")
+
+
+def local_experts(w: ExpertWeights, *, shared: bool) -> ExpertWeights:
+  """``w`` relabelled with its actual leading dimension L as ``num_experts`` (optionally without the shared expert).
+
+  Inside `shard_map` or a partitioned body the arrays hold L = E/R experts whatever the static ``num_experts`` says.
+  """
+  return ExpertWeights(w.w13, w.w13_scale, w.w2, w.w2_scale, w.shared if shared else None, int(w.w13.shape[0]),
+                       w.hidden, w.intermediate)
+
+
+def _nan_where(bad_token: jax.Array, y: jax.Array) -> jax.Array:
+  return jnp.where(bad_token[:, None], jnp.asarray(jnp.nan, y.dtype), y)
+
+
+def body(x: jax.Array, w_local: ExpertWeights, ids: jax.Array, weights: jax.Array, *, axis_name: str,
+         local_fn: LocalFn, clamp: float | None, transport: str, capacity: int | None
+         ) -> tuple[jax.Array, EPStats]:
+  """`moe_shard_map_body_with_stats` without the argument checks (also the partitioned path's per-shard body)."""
+  r = jax.lax.axis_size(axis_name)
+  num_local = int(w_local.w13.shape[0])
+  b, k = ids.shape
+  h = x.shape[1]
+  weights = weights.astype(jnp.float32)
+  if b == 0:  # every rank holds B = 0 tokens (shard_map splits evenly): nothing to send
+    zero = jnp.int32(0)
+    return jnp.zeros((0, h), jnp.bfloat16), EPStats(zero, zero, zero)
+  if r == 1:
+    # No peers, no transport: the local op sees every route (capacity cannot overflow).
+    bad = ids >= num_local
+    y = local_fn(x, local_experts(w_local, shared=True), jnp.where(bad, -1, ids), weights, clamp=clamp)
+    n_bad = jnp.sum(bad, dtype=jnp.int32)
+    return _nan_where(bad.any(axis=1), y), EPStats(jnp.int32(0), n_bad, jnp.sum(ids >= 0, dtype=jnp.int32) - n_bad)
+
+  c = b * k if capacity is None else min(int(capacity), b * k)  # b k rows per peer can never overflow
+  lay = tr.layout(ids, num_local, r, c)
+  send = tr.send_buffer(x, ids, weights, lay, num_local, r, c)
+  if transport == "ragged":
+    recv_sizes = jax.lax.all_to_all(lay.send_sizes, axis_name, 0, 0, tiled=True)
+  else:
+    recv_sizes = lay.send_sizes  # unused by all_to_all
+  recv = tr.exchange(send, axis_name=axis_name, num_ranks=r, capacity=c, transport=transport,
+                     send_sizes=lay.send_sizes, recv_sizes=recv_sizes, fill=tr.empty_rows(r * c, h))
+  x_rows, local_ids, row_weights = tr.unpack(recv, h)
+  # One route per row (k = 1): local_fn returns each route's BF16 o_j unsummed, so the owner can sum the k slots
+  # in slot order exactly as DESIGN §2 step 6 does. The shared expert is not applied here (the owner does it).
+  out = local_fn(x_rows, local_experts(w_local, shared=False), local_ids[:, None], row_weights[:, None], clamp=clamp)
+  out_bits = jax.lax.bitcast_convert_type(out.astype(jnp.bfloat16), jnp.uint16)
+  back = tr.exchange(out_bits, axis_name=axis_name, num_ranks=r, capacity=c, transport=transport,
+                     send_sizes=recv_sizes, recv_sizes=lay.send_sizes, fill=jnp.zeros_like(out_bits))
+  o = jnp.take(jax.lax.bitcast_convert_type(back, jnp.bfloat16), lay.slot, axis=0, mode="fill", fill_value=0)
+  o = jnp.where(lay.sent[:, None], o.astype(jnp.float32), 0.0).reshape(b, k, h)
+  acc = jnp.zeros((b, h), jnp.float32)
+  for j in range(k):  # DESIGN §2 step 6: acc = 0; acc += o_j for j = 0..k-1; acc += shared; one BF16 rounding
+    acc = acc + o[:, j]
+  if w_local.shared is not None:
+    # The shared expert is replicated, so the token owner computes it: local_fn with no routes returns
+    # bf16(0 + shared_y), which is shared_y except that -0 becomes +0; acc + v then differs only if acc is -0,
+    # which a sum starting at +0 never is (short of a flushed subnormal). The same holds for the routed o_j above.
+    none = jnp.full((b, 1), -1, jnp.int32)
+    shared_y = local_fn(x, local_experts(w_local, shared=True), none, jnp.zeros((b, 1), jnp.float32), clamp=clamp)
+    acc = acc + shared_y.astype(jnp.float32)
+  y = acc.astype(jnp.bfloat16)
+  poisoned = (lay.overflow | lay.invalid).reshape(b, k).any(axis=1)
+  stats = EPStats(jax.lax.psum(jnp.sum(lay.overflow, dtype=jnp.int32), axis_name),
+                  jax.lax.psum(jnp.sum(lay.invalid, dtype=jnp.int32), axis_name),
+                  jax.lax.pmax(jnp.max(lay.peer_load).astype(jnp.int32), axis_name))
+  return _nan_where(poisoned, y), stats
+
+
+def _check_body_args(x, w_local, ids, weights, axis_name, local_fn, transport, capacity) -> None:
+  check_common(x, w_local, ids, weights, local_fn, transport, capacity)
+  if not isinstance(axis_name, str):
+    raise TypeError(f"moe: axis_name must be a str (one mesh axis), got {type(axis_name).__name__}")
+
+
+def moe_shard_map_body(x: jax.Array, w_local: ExpertWeights, ids: jax.Array, weights: jax.Array, *,
+                       axis_name: str, local_fn: LocalFn, clamp: float | None = None,
+                       transport: str = "collective", capacity: int | None = None) -> jax.Array:
+  """Expert-parallel MoE for one rank; call it inside `jax.shard_map` over the mesh axis ``axis_name``.
+
+  The axis has R ranks. Rank r holds B tokens and the L = E/R experts ``r L .. r L + L - 1``: global expert id g
+  lives on rank ``g // L`` as local expert ``g % L``. Each route travels to its expert's rank with its activations
+  and route weight, the local op runs there one route per row, the BF16 output rows travel back, and the token's
+  owner sums its k slots in slot order in FP32, adds the shared expert (replicated, so computed by the owner) and
+  rounds once to BF16: the result equals the single-device `moe_emulated` bit for bit.
+
+  Args:
+    x: bfloat16 ``[B, H]``: this rank's tokens.
+    w_local: this rank's L experts (arrays with leading dimension L; the shared expert, if any, replicated).
+    ids: int32 ``[B, k]`` GLOBAL expert ids in ``[0, E)``, E = L R; ids < 0 are padding. Ids >= E poison their
+      token with NaN (a traced value cannot raise).
+    weights: float32 ``[B, k]`` route weights.
+    axis_name: the `shard_map` mesh axis the experts are split over (e.g. ``"ep"``).
+    local_fn: the per-rank grouped op ``(x_rows [M, H] bf16, w [L experts], local_ids [M, k'] int32 (-1 =
+      padding), weights [M, k'] f32, *, clamp) -> [M, H] bf16`` computing DESIGN §2 on local experts, e.g.
+      `gcmoe_jax.reference.moe_emulated`.
+    clamp: the SwiGLU clamp, or None.
+    transport: ``"collective"`` (`jax.lax.all_to_all`, runs everywhere) or ``"ragged"``
+      (`jax.lax.ragged_all_to_all`, GPU only: XLA:CPU does not implement it).
+    capacity: rows each rank may send to each peer; default (None) ``B k``, which can never overflow. Routes past
+      the capacity are not computed: their tokens come back NaN and `moe_shard_map_body_with_stats` counts them.
+      Ignored when R = 1 (no transport).
+
+  Returns:
+    bfloat16 ``[B, H]``: this rank's outputs.
+
+  Raises:
+    TypeError, ValueError: for arguments of the wrong type, rank, dtype or shape (at trace time).
+  """
+  return moe_shard_map_body_with_stats(x, w_local, ids, weights, axis_name=axis_name, local_fn=local_fn, clamp=clamp,
+                                       transport=transport, capacity=capacity)[0]
+
+
+def moe_shard_map_body_with_stats(x: jax.Array, w_local: ExpertWeights, ids: jax.Array, weights: jax.Array, *,
+                                  axis_name: str, local_fn: LocalFn, clamp: float | None = None,
+                                  transport: str = "collective", capacity: int | None = None
+                                  ) -> tuple[jax.Array, EPStats]:
+  """`moe_shard_map_body` that also returns the transport's `EPStats` (overflow, invalid ids, peak load).
+
+  Returns:
+    ``(y, stats)``: y bfloat16 ``[B, H]``; stats int32 scalars, equal on every rank (use ``out_specs=P()``).
+  """
+  _check_body_args(x, w_local, ids, weights, axis_name, local_fn, transport, capacity)
+  return body(x, w_local, ids, weights, axis_name=axis_name, local_fn=local_fn, clamp=clamp, transport=transport,
+              capacity=capacity)
