@@ -1,0 +1,128 @@
+"""`python -m gcmoe_jax build-kernels`: compile the role kernels of some variants to cubins (no GPU needed).
+
+Examples:
+  python -m gcmoe_jax build-kernels --arch sm_90a --out .cubins --variant 512,256,8,4,16
+  python -m gcmoe_jax build-kernels --arch sm_90a,sm_120a --out .cubins --variant 6144,2048,32,8,64,2048,128
+  python -m gcmoe_jax build-kernels --arch sm_90a --out .cubins --preset tests
+
+Each variant lands in ``OUT/<key>/`` (cubins, PTX, ``meta.json``; see docs/kernels.md); ``OUT/index.json`` lists the
+builds. Point ``GCMOE_CUBIN_DIR`` at OUT on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+
+# The GPU check set (docs/kernels.md): the small test shape with and without a shared expert (group 128 and 32),
+# and the paper's per-rank shapes GLM5.2 (H 6144, I 2048, E 32, k 8) and DSV4.1-Flash (H 5120, I 2304, E 48, k 6)
+# at token capacities 8, 64 and 256, with and without a shared expert (Is = I, group 128).
+_SMALL = (512, 256, 8, 4, 16)
+_PAPER = {"glm5.2": (6144, 2048, 32, 8), "dsv4.1-flash": (5120, 2304, 48, 6)}
+_PAPER_CAPACITIES = (8, 64, 256)
+_SHARED_GROUP = 128
+
+
+def _preset_tests() -> list[tuple[int, ...]]:
+  out = [_SMALL, (*_SMALL, 256, 128), (*_SMALL, 256, 32)]
+  for h, i, e, k in _PAPER.values():
+    for cap in _PAPER_CAPACITIES:
+      out += [(h, i, e, k, cap), (h, i, e, k, cap, i, _SHARED_GROUP)]
+  return out
+
+
+PRESETS = {"tests": _preset_tests}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+  """Adds the `build-kernels` command to the CLI's subparsers."""
+  p = subparsers.add_parser(
+    "build-kernels", help="compile the role kernels to cubins (CuTe DSL, no GPU needed)",
+    description="Compile the three role kernels (gcmoe_jax/kernels/roles_v1.py) of each variant to cubins with "
+                "CuTe DSL, into OUT/<key>/ with a meta.json manifest; then set GCMOE_CUBIN_DIR=OUT on the GPU host.")
+  p.add_argument("--arch", default="sm_90a",
+                 help="target architecture(s): sm_90a, sm_120a, or a comma list (default sm_90a)")
+  p.add_argument("--out", required=True, type=pathlib.Path, help="output directory (a cubin cache; reused)")
+  p.add_argument("--variant", action="append", default=[], metavar="H,I,E,k,TCAP[,Is,group]",
+                 help="one variant: hidden, intermediate, local experts, top-k, token capacity, and optionally the "
+                      "shared expert's intermediate size and scale group (32 or 128); repeatable")
+  p.add_argument("--preset", choices=sorted(PRESETS), action="append", default=[],
+                 help="a named set of variants (tests: the GPU check set of docs/kernels.md)")
+  p.add_argument("--force", action="store_true", help="rebuild even when OUT holds a matching build")
+  p.add_argument("--json", action="store_true", help="print the manifests' summaries as JSON")
+  p.set_defaults(func=run)
+
+
+def _variants(args: argparse.Namespace) -> list:
+  from gcmoe_jax.kernels.build import Variant
+
+  out = [Variant.parse(text) for text in args.variant]
+  for name in args.preset:
+    out += [Variant(*fields) for fields in PRESETS[name]()]
+  unique = list(dict.fromkeys(out))
+  if not unique:
+    raise ValueError("build-kernels requires at least one --variant or --preset, got none")
+  return unique
+
+
+def _write_index(out: pathlib.Path, entries: list[dict]) -> None:
+  path = out / "index.json"
+  try:
+    index = {e["key"]: e for e in json.loads(path.read_text())}
+  except (OSError, ValueError):
+    index = {}
+  index.update({e["key"]: e for e in entries})
+  tmp = out / f".index.json.{os.getpid()}"
+  tmp.write_text(json.dumps(sorted(index.values(), key=lambda e: e["key"]), indent=1) + "\n")
+  os.replace(tmp, path)
+
+
+def run(args: argparse.Namespace) -> int:
+  from gcmoe_jax.kernels import build
+
+  try:
+    archs = [a.strip() for a in args.arch.split(",") if a.strip()]
+    bad = [a for a in archs if a not in build.ARCHS]
+    if bad or not archs:
+      raise ValueError(f"build-kernels: --arch must name some of {build.ARCHS}, got {args.arch!r}")
+    variants = _variants(args)
+  except ValueError as e:
+    print(f"build-kernels: {e}", file=sys.stderr)
+    return 2
+  try:
+    import cutlass  # noqa: F401
+  except ImportError as e:
+    print(f"build-kernels: CuTe DSL is not importable ({e}); `pip install nvidia-cutlass-dsl` (no GPU needed)",
+          file=sys.stderr)
+    return 1
+  t0 = time.perf_counter()
+  summaries = []
+  for arch in archs:
+    for v in variants:
+      t = time.perf_counter()
+      try:
+        meta = build.compile_variant(arch, v, cache_dir=args.out, force=args.force)
+      except build.BuildError as e:
+        print(f"build-kernels: {e}", file=sys.stderr)
+        return 1
+      sizes = [r["cubin_bytes"] for r in meta["roles"]]
+      summary = {"key": meta["key"], "arch": arch, "variant": v.to_dict(), "cubin_bytes": sizes,
+                 "registers": [r["registers"] for r in meta["roles"]],
+                 "static_smem": [r["static_smem"] for r in meta["roles"]],
+                 "entries": [r["entry"] for r in meta["roles"]], "seconds": round(time.perf_counter() - t, 2)}
+      summaries.append(summary)
+      if not args.json:
+        print(f"{meta['key']:<58} cubins {sum(sizes) / 1024:8.1f} KiB  regs {summary['registers']}  "
+              f"smem {summary['static_smem'][1]} B  {summary['seconds']:6.1f} s", flush=True)
+  _write_index(args.out, summaries)
+  total_bytes = sum(sum(s["cubin_bytes"]) for s in summaries)
+  total_s = time.perf_counter() - t0
+  if args.json:
+    print(json.dumps({"builds": summaries, "cubin_bytes": total_bytes, "seconds": round(total_s, 2)}, indent=1))
+  else:
+    print(f"{len(summaries)} builds in {args.out}: cubins {total_bytes / 2**20:.2f} MiB, {total_s:.1f} s")
+  return 0

@@ -1,0 +1,488 @@
+"""Kernel variants: compile the role kernels to cubins, cache them with a manifest, and find them again.
+
+A variant (`Variant`) is what the role kernels specialise on: H, I, E, k, the token capacity and the shared expert.
+`compile_variant` compiles the three roles of `gcmoe_jax.kernels.roles_v1` for one architecture with CuTe DSL
+(no GPU needed) and stores, under ``<cache>/<key>/``:
+
+* ``role{1,2,3}.cubin`` and ``role{1,2,3}.ptx``;
+* ``meta.json``: the architecture, the ``nvidia-cutlass-dsl*`` versions, the SHA-256 of ``roles_v1.py`` and
+  ``abi.py``, the variant, the workspace layout, and per role the cubin, the PTX entry symbol, the launch
+  configuration (block, grid hint, dynamic SMEM), the static SMEM, registers, local memory, and the parameters as
+  the PTX declares them.
+
+The key is ``<variant.key>-<arch>-<first 12 hex of the source SHA-256>``; a cached directory is reused only when its
+``meta.json`` names the installed CuTe DSL versions. Builds go to a temporary directory that is renamed into place,
+so readers never see half a build. A build fails, naming the role and the variant, when the PTX entry does not
+declare exactly the ABI's parameters (`abi.PARAMS`) or the kernel uses local memory (spills).
+
+`load_or_build` is what the runtime calls: from ``$GCMOE_CUBIN_DIR`` when set (cubins built elsewhere, e.g. by
+``python -m gcmoe_jax build-kernels``), else from the local cache, compiling with CuTe DSL when it is installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import os
+import pathlib
+import re
+import shutil
+import struct
+import tempfile
+import time
+from typing import Any
+
+from gcmoe_jax.kernels import abi
+
+__all__ = [
+  "ARCHS",
+  "CUBIN_DIR_ENV",
+  "BuildError",
+  "BuiltVariant",
+  "Variant",
+  "cache_key",
+  "compile_variant",
+  "default_cache_dir",
+  "dsl_versions",
+  "load_or_build",
+  "parse_ptx_entry",
+  "source_sha256",
+]
+
+ARCHS = ("sm_90a", "sm_120a")
+CUBIN_DIR_ENV = "GCMOE_CUBIN_DIR"
+MANIFEST = "meta.json"
+MANIFEST_FORMAT = 1
+NUM_ROLES = 3
+ROLE_TITLES = ("dispatch", "compute", "finalize")
+# Grid hints in the runtime's convention (0 = the runtime's choice): role 1 needs one CTA (block 0 works, others
+# return); roles 2 and 3 take any grid (role 2 reads %nctaid.x, role 3 strides tokens over blocks).
+GRID_HINTS = (1, 0, 0)
+_KERNEL_SOURCES = ("roles_v1.py", "abi.py")  # what the cubins are made of (the source hash)
+_DSL_PREFIX = "nvidia-cutlass-dsl"
+# PTX parameter types of the ABI: 13 pointers, then tokens (int32) and clamp (float32).
+_PTX_PARAM_TYPES = (".u64",) * abi.NUM_POINTER_PARAMS + (".u32", ".f32")
+_PTX_TYPE_BYTES = {".u64": 8, ".u32": 4, ".f32": 4, ".s32": 4, ".b32": 4, ".b64": 8}
+_STATIC_SMEM_LIMIT = 48 * 1024  # static __shared__ above this needs dynamic SMEM
+
+
+class BuildError(RuntimeError):
+  """A variant that cannot be built, or whose cubins cannot be found."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """What the role kernels specialise on (static per cubin); ``tokens`` and ``clamp`` are runtime parameters.
+
+  Attributes:
+    hidden, intermediate: H and I of the routed experts (multiples of 128; Table 10 ranges).
+    experts: E, the local experts (ids in [0, E)).
+    top_k: k.
+    capacity: TCAP, the most tokens one call may carry (sizes the workspace).
+    shared_intermediate, shared_group: Is and the shared expert's scale group (32 or 128), or None without one.
+  """
+
+  hidden: int
+  intermediate: int
+  experts: int
+  top_k: int
+  capacity: int
+  shared_intermediate: int | None = None
+  shared_group: int | None = None
+
+  def __post_init__(self):
+    problems = []
+    for name, lo, hi in (("hidden", 512, 8192), ("intermediate", 256, 4096)):
+      v = getattr(self, name)
+      if not _is_int(v) or v % 128 or not lo <= v <= hi:
+        problems.append(f"{name} must be a multiple of 128 in [{lo}, {hi}] (Table 10), got {v!r}")
+    for name in ("experts", "top_k", "capacity"):
+      v = getattr(self, name)
+      if not _is_int(v) or v < 1:
+        problems.append(f"{name} must be a positive int, got {v!r}")
+    if (self.shared_intermediate is None) != (self.shared_group is None):
+      problems.append(f"shared_intermediate and shared_group must both be set or both be None, got "
+                      f"{self.shared_intermediate!r} and {self.shared_group!r}")
+    elif self.shared_intermediate is not None:
+      s = self.shared_intermediate
+      if not _is_int(s) or s % 128 or not 256 <= s <= 4096:
+        problems.append(f"shared_intermediate must be a multiple of 128 in [256, 4096] (Table 10), got {s!r}")
+      if self.shared_group not in (32, 128):
+        problems.append(f"shared_group must be 32 or 128, got {self.shared_group!r}")
+    if problems:
+      raise ValueError("Variant: " + "; ".join(problems))
+
+  @classmethod
+  def parse(cls, text: str) -> Variant:
+    """``"H,I,E,k,TCAP"`` or ``"H,I,E,k,TCAP,Is,group"`` (the CLI's ``--variant``)."""
+    try:
+      values = [int(p) for p in text.split(",")]
+    except ValueError:
+      raise ValueError(f"Variant.parse: expected H,I,E,k,TCAP[,Is,group] (ints), got {text!r}") from None
+    if len(values) not in (5, 7):
+      raise ValueError(f"Variant.parse: expected 5 or 7 comma-separated ints H,I,E,k,TCAP[,Is,group], got {text!r}")
+    return cls(*values)
+
+  @property
+  def shared(self) -> bool:
+    return self.shared_intermediate is not None
+
+  @property
+  def key(self) -> str:
+    """A file-name-safe name, e.g. ``h512_i256_e8_k4_t16`` or ``h512_i256_e8_k4_t16_s256g128``."""
+    k = f"h{self.hidden}_i{self.intermediate}_e{self.experts}_k{self.top_k}_t{self.capacity}"
+    return k + (f"_s{self.shared_intermediate}g{self.shared_group}" if self.shared else "")
+
+  def workspace(self) -> abi.Workspace:
+    return abi.workspace_layout(self.experts, self.capacity, self.top_k, self.hidden, self.shared)
+
+  def to_dict(self) -> dict[str, int | None]:
+    return dataclasses.asdict(self)
+
+
+def _is_int(v: Any) -> bool:
+  return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltVariant:
+  """The cubins of one (arch, variant) on disk: ``directory`` holds them and ``meta`` (its ``meta.json``)."""
+
+  directory: pathlib.Path
+  meta: dict[str, Any]
+
+  def role(self, r: int) -> dict[str, Any]:
+    """The manifest entry of role r (1, 2 or 3)."""
+    return self.meta["roles"][r - 1]
+
+  def cubin(self, r: int) -> bytes:
+    return (self.directory / self.role(r)["cubin"]).read_bytes()
+
+  def launch(self, r: int) -> tuple[int, int, int]:
+    """(grid hint, block, dynamic SMEM bytes) of role r, in the runtime's convention (grid 0 = its choice)."""
+    e = self.role(r)
+    return e["grid"], e["block"], e["dynamic_smem"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Keys
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def dsl_versions() -> dict[str, str]:
+  """Installed ``nvidia-cutlass-dsl*`` distributions and their versions ({} without CuTe DSL)."""
+  out = {}
+  for dist in importlib.metadata.distributions():
+    name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+    if name.startswith(_DSL_PREFIX):
+      out[name] = dist.version
+  return dict(sorted(out.items()))
+
+
+def source_sha256() -> str:
+  """SHA-256 over the kernel sources (``roles_v1.py``, ``abi.py``), in that order."""
+  h = hashlib.sha256()
+  here = pathlib.Path(__file__).resolve().parent
+  for name in _KERNEL_SOURCES:
+    h.update(name.encode() + b"\0")
+    h.update((here / name).read_bytes())
+  return h.hexdigest()
+
+
+def cache_key(arch: str, variant: Variant) -> str:
+  """``<variant.key>-<arch>-<source SHA-256[:12]>``: the directory of one build."""
+  _check_arch(arch)
+  return f"{variant.key}-{arch}-{source_sha256()[:12]}"
+
+
+def default_cache_dir() -> pathlib.Path:
+  """``$XDG_CACHE_HOME/gcmoe_jax/cubins`` (``~/.cache/gcmoe_jax/cubins``)."""
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return pathlib.Path(base) / "gcmoe_jax" / "cubins"
+
+
+def _check_arch(arch: str) -> None:
+  if arch not in ARCHS:
+    raise ValueError(f"build: arch must be one of {ARCHS}, got {arch!r}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# PTX and cubin inspection
+# ---------------------------------------------------------------------------------------------------------------
+
+_ENTRY_RE = re.compile(r"\.entry\s+([A-Za-z_$][\w$]*)\s*\((.*?)\)", re.DOTALL)
+_PARAM_RE = re.compile(r"\.param\s+(.*?)\s+([A-Za-z_$][\w$]*)\s*$")
+_REQNTID_RE = re.compile(r"\.reqntid\s+(\d+)\s*,\s*(\d+)\s*,\s*(\d+)")
+
+
+def parse_ptx_entry(ptx: str) -> dict[str, Any]:
+  """The single ``.entry`` of a PTX module: {name, params: [{decl, type, bytes}], reqntid}.
+
+  Raises:
+    BuildError: if the module does not hold exactly one entry.
+  """
+  entries = _ENTRY_RE.findall(ptx)
+  if len(entries) != 1:
+    raise BuildError(f"build: expected exactly one .entry in the PTX, found {len(entries)}: "
+                     f"{[name for name, _ in entries]}")
+  name, body = entries[0]
+  params = []
+  for line in body.split(","):
+    m = _PARAM_RE.search(line.strip())
+    if m is None:
+      raise BuildError(f"build: cannot parse the PTX parameter declaration {line.strip()!r} of {name}")
+    decl = m.group(1)
+    ptx_type = next((t for t in decl.split() if t in _PTX_TYPE_BYTES), None)
+    params.append({"decl": f".param {decl}", "type": ptx_type, "bytes": _PTX_TYPE_BYTES.get(ptx_type)})
+  reqntid = _REQNTID_RE.search(ptx)
+  return {"name": name, "params": params, "reqntid": [int(g) for g in reqntid.groups()] if reqntid else None}
+
+
+def _elf_sections(data: bytes) -> dict[str, tuple[int, int]]:
+  """ELF64 section name -> (file offset, size)."""
+  shoff, = struct.unpack_from("<Q", data, 0x28)
+  shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+  raw = []
+  for i in range(shnum):
+    name, _, _, _, off, size = struct.unpack_from("<IIQQQQ", data, shoff + i * shentsize)
+    raw.append((name, off, size))
+  strtab = raw[shstrndx][1]
+  out = {}
+  for name, off, size in raw:
+    end = data.index(b"\0", strtab + name)
+    out[data[strtab + name:end].decode()] = (off, size)
+  return out
+
+
+# EIATTR codes of the cubin's global .nv.info section (attribute format 0x04: 4-byte symbol index, 4-byte value).
+_EIATTR_REGCOUNT = 0x2F
+_EIATTR_FRAME_SIZE = 0x11
+_EIATTR_FORMAT_SVAL = 0x04
+
+
+def cubin_resources(cubin: bytes, entry: str) -> dict[str, int]:
+  """{registers, local_bytes (stack frame: spills), static_smem} of the kernel ``entry`` in a cubin."""
+  secs = _elf_sections(cubin)
+  out = {"registers": -1, "local_bytes": -1, "static_smem": 0}
+  if ".nv.info" in secs:
+    off, size = secs[".nv.info"]
+    i = off
+    while i + 4 <= off + size:
+      fmt, attr, length = cubin[i], cubin[i + 1], struct.unpack_from("<H", cubin, i + 2)[0]
+      if fmt == _EIATTR_FORMAT_SVAL:
+        if length == 8 and attr in (_EIATTR_REGCOUNT, _EIATTR_FRAME_SIZE):
+          value = struct.unpack_from("<I", cubin, i + 8)[0]
+          out["registers" if attr == _EIATTR_REGCOUNT else "local_bytes"] = value
+        i += 4 + length
+      else:
+        i += 4
+  smem = secs.get(f".nv.shared.{entry}")
+  if smem is not None:
+    out["static_smem"] = smem[1]
+  return out
+
+
+def _check_role(role: int, variant: Variant, arch: str, entry: dict[str, Any], res: dict[str, int]) -> None:
+  from gcmoe_jax.kernels import roles_v1
+
+  where = f"role {role} ({ROLE_TITLES[role - 1]}) of {variant.key} for {arch}"
+  types = tuple(p["type"] for p in entry["params"])
+  if types != _PTX_PARAM_TYPES:
+    raise BuildError(f"build: {where}: the PTX entry {entry['name']} declares {len(types)} parameters "
+                     f"{[p['decl'] for p in entry['params']]}, expected the ABI's {len(_PTX_PARAM_TYPES)} "
+                     f"{list(abi.PARAMS)} of PTX types {list(_PTX_PARAM_TYPES)} (gcmoe_jax/kernels/abi.py)")
+  if entry["reqntid"] != [roles_v1.THREADS, 1, 1]:
+    raise BuildError(f"build: {where}: .reqntid {entry['reqntid']}, expected [{roles_v1.THREADS}, 1, 1]")
+  if res["local_bytes"] < 0:
+    raise BuildError(f"build: {where}: the cubin's .nv.info has no EIATTR_FRAME_SIZE for {entry['name']}; cannot "
+                     f"check local memory (cubin format changed?)")
+  if res["local_bytes"] != 0:
+    raise BuildError(f"build: {where}: the kernel uses {res['local_bytes']} B of local memory (a stack frame: "
+                     f"register spills) with {res['registers']} registers; v1 kernels must not spill")
+  if res["static_smem"] > _STATIC_SMEM_LIMIT:
+    raise BuildError(f"build: {where}: {res['static_smem']} B of static SMEM exceeds {_STATIC_SMEM_LIMIT}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Compile
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _compile_roles(arch: str, variant: Variant, out: pathlib.Path) -> list[dict[str, Any]]:
+  """Compiles the three roles into ``out``; returns the manifest's role entries."""
+  from cutlass import Float32, Int32, Uint8, cute
+  from cutlass.cute.runtime import make_ptr
+
+  from gcmoe_jax.kernels import roles_v1
+
+  kernels = roles_v1.RoleKernelsV1(variant)
+  # Fake arguments: the pointers' values do not matter when compiling, their type (global, 16-byte aligned) does.
+  ptrs = [make_ptr(Uint8, 0, cute.AddressSpace.gmem, assumed_align=roles_v1.POINTER_ALIGN)
+          for _ in range(abi.NUM_POINTER_PARAMS)]
+  entries = []
+  for r, launch in enumerate((kernels.launch_role1, kernels.launch_role2, kernels.launch_role3), start=1):
+    dump = out / f".dump{r}"
+    dump.mkdir()
+    t0 = time.perf_counter()
+    cute.compile(launch, *ptrs, Int32(0), Float32(0.0),
+                 options=f"--gpu-arch {arch} --keep-ptx --keep-cubin --dump-dir {dump}")
+    seconds = time.perf_counter() - t0
+    ptx_files, cubin_files = sorted(dump.glob("*.ptx")), sorted(dump.glob("*.cubin"))
+    if len(ptx_files) != 1 or len(cubin_files) != 1:
+      raise BuildError(f"build: role {r} of {variant.key} for {arch}: CuTe DSL left {len(ptx_files)} PTX and "
+                       f"{len(cubin_files)} cubin files in {dump}, expected one each")
+    ptx_name, cubin_name = f"role{r}.ptx", f"role{r}.cubin"
+    ptx_files[0].rename(out / ptx_name)
+    cubin_files[0].rename(out / cubin_name)
+    shutil.rmtree(dump)
+    ptx = (out / ptx_name).read_text()
+    cubin = (out / cubin_name).read_bytes()
+    entry = parse_ptx_entry(ptx)
+    res = cubin_resources(cubin, entry["name"])
+    _check_role(r, variant, arch, entry, res)
+    entries.append({
+      "role": r,
+      "title": ROLE_TITLES[r - 1],
+      "cubin": cubin_name,
+      "ptx": ptx_name,
+      "entry": entry["name"],
+      "block": roles_v1.THREADS,
+      "grid": GRID_HINTS[r - 1],
+      "dynamic_smem": 0,
+      "static_smem": res["static_smem"],
+      "registers": res["registers"],
+      "local_bytes": res["local_bytes"],
+      "params": [dict(name=n, **p) for n, p in zip(abi.PARAMS, entry["params"])],
+      "cubin_bytes": len(cubin),
+      "cubin_sha256": hashlib.sha256(cubin).hexdigest(),
+      "compile_seconds": round(seconds, 3),
+    })
+  return entries
+
+
+def _read_meta(directory: pathlib.Path) -> dict[str, Any] | None:
+  try:
+    return json.loads((directory / MANIFEST).read_text())
+  except (OSError, ValueError):
+    return None
+
+
+def compile_variant(arch: str, variant: Variant, *, cache_dir: str | os.PathLike | None = None,
+                    force: bool = False) -> dict[str, Any]:
+  """Compiles roles 1-3 of ``variant`` for ``arch`` into ``<cache>/<key>/`` and returns its manifest.
+
+  Reuses an existing build of the same key made with the installed CuTe DSL versions unless ``force``.
+
+  Args:
+    arch: "sm_90a" or "sm_120a".
+    variant: the static shape.
+    cache_dir: where builds live (default `default_cache_dir`).
+    force: rebuild even if a matching build exists.
+
+  Returns:
+    The manifest (``meta.json``) plus ``"directory"``, the build's absolute path.
+
+  Raises:
+    ImportError: without CuTe DSL (``nvidia-cutlass-dsl``).
+    BuildError: when a role fails the PTX or local-memory checks.
+  """
+  _check_arch(arch)
+  cache = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
+  cache.mkdir(parents=True, exist_ok=True)
+  key = cache_key(arch, variant)
+  final = cache / key
+  versions = dsl_versions()
+  meta = _read_meta(final)
+  if meta is not None and not force and meta.get("cutlass_dsl") == versions:
+    return {**meta, "directory": str(final.resolve())}
+  import cutlass  # noqa: F401  (ImportError here names the missing package)
+
+  tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{key}.", dir=cache))
+  try:
+    t0 = time.perf_counter()
+    roles = _compile_roles(arch, variant, tmp)
+    meta = {
+      "format": MANIFEST_FORMAT,
+      "key": key,
+      "arch": arch,
+      "cutlass_dsl": versions,
+      "source_sha256": source_sha256(),
+      "sources": list(_KERNEL_SOURCES),
+      "variant": variant.to_dict(),
+      "workspace": dataclasses.asdict(variant.workspace()),
+      "abi_params": list(abi.PARAMS),
+      "roles": roles,
+      "build_seconds": round(time.perf_counter() - t0, 3),
+      "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    (tmp / MANIFEST).write_text(json.dumps(meta, indent=1) + "\n")
+    tmp.chmod(0o755)  # mkdtemp makes it private; a build is meant to be copied and shared
+    if final.exists():  # a stale build (other DSL versions, or force): move it aside, then drop it
+      stale = pathlib.Path(tempfile.mkdtemp(prefix=f".{key}.stale.", dir=cache))
+      os.rename(final, stale / "old")
+      shutil.rmtree(stale, ignore_errors=True)
+    try:
+      os.rename(tmp, final)
+    except OSError:  # another process renamed its build in first: keep that one
+      shutil.rmtree(tmp, ignore_errors=True)
+      meta = _read_meta(final) or meta
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  return {**meta, "directory": str(final.resolve())}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Load
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _builds_in(directory: pathlib.Path) -> list[str]:
+  if not directory.is_dir():
+    return []
+  return sorted(p.name for p in directory.iterdir() if (p / MANIFEST).is_file())
+
+
+def load_or_build(arch: str, variant: Variant, *, cache_dir: str | os.PathLike | None = None) -> BuiltVariant:
+  """The cubins of (arch, variant): from ``$GCMOE_CUBIN_DIR`` if set, else the local cache (compiling if needed).
+
+  Raises:
+    BuildError: ``$GCMOE_CUBIN_DIR`` lacks the key (the message lists what it holds), or nothing can build it.
+  """
+  _check_arch(arch)
+  key = cache_key(arch, variant)
+  prebuilt = os.environ.get(CUBIN_DIR_ENV)
+  if prebuilt:
+    directory = pathlib.Path(prebuilt)
+    meta = _read_meta(directory / key)
+    if meta is None:
+      present = _builds_in(directory)
+      raise BuildError(
+        f"load_or_build: {CUBIN_DIR_ENV}={prebuilt} has no build {key!r} (arch {arch}, variant {variant.key}, "
+        f"kernel source {source_sha256()[:12]}); it holds {len(present)}: {present or 'nothing'}. Build it with "
+        f"`python -m gcmoe_jax build-kernels --arch {arch} --out {prebuilt} --variant {_variant_arg(variant)}` "
+        f"from this checkout (a build from other kernel sources has another key)")
+    return BuiltVariant(directory / key, meta)
+  try:
+    import cutlass  # noqa: F401
+  except ImportError as e:
+    cache = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    meta = _read_meta(cache / key)
+    if meta is not None:  # built earlier on this machine, possibly by another DSL version: still this source
+      return BuiltVariant(cache / key, meta)
+    raise BuildError(
+      f"load_or_build: no cubins for {key!r} and CuTe DSL is not importable here ({e}). On a machine with "
+      f"`pip install nvidia-cutlass-dsl` (no GPU needed) run `python -m gcmoe_jax build-kernels --arch {arch} "
+      f"--out DIR --variant {_variant_arg(variant)}`, copy DIR here and set {CUBIN_DIR_ENV}=DIR") from None
+  meta = compile_variant(arch, variant, cache_dir=cache_dir)
+  directory = pathlib.Path(meta.pop("directory"))
+  return BuiltVariant(directory, meta)
+
+
+def _variant_arg(v: Variant) -> str:
+  fields = [v.hidden, v.intermediate, v.experts, v.top_k, v.capacity]
+  if v.shared:
+    fields += [v.shared_intermediate, v.shared_group]
+  return ",".join(str(f) for f in fields)

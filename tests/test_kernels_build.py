@@ -1,0 +1,206 @@
+"""Compile-only tests of the v1 role kernels and their build (no GPU): PTX ABI, bounded waits, manifest, cache.
+
+Compiling needs CuTe DSL (``nvidia-cutlass-dsl``); those tests skip with the import error when it is missing. One
+module-scoped cache directory holds every build, so each (arch, variant) compiles once.
+"""
+
+import json
+import pathlib
+import re
+import sys
+
+import pytest
+
+from gcmoe_jax.__main__ import main as cli_main
+from gcmoe_jax.kernels import abi, build
+from gcmoe_jax.kernels.build import BuildError, Variant
+
+try:
+  import cutlass  # noqa: F401
+
+  _NO_DSL = None
+except ImportError as e:  # pragma: no cover - depends on the environment
+  _NO_DSL = f"CuTe DSL is not importable: {e}"
+
+needs_dsl = pytest.mark.skipif(_NO_DSL is not None, reason=_NO_DSL or "")
+
+SMALL = Variant(hidden=512, intermediate=256, experts=8, top_k=4, capacity=16)
+SMALL_SHARED = Variant(512, 256, 8, 4, 16, shared_intermediate=256, shared_group=32)
+ROLE_ENTRIES = ("gcmoe_role1_dispatch_v1", "gcmoe_role2_compute_v1", "gcmoe_role3_finalize_v1")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+  return tmp_path_factory.mktemp("cubins")
+
+
+@pytest.fixture(scope="module")
+def built(cache):
+  """arch -> manifest of the small variant (compiled once per module)."""
+  if _NO_DSL is not None:
+    pytest.skip(_NO_DSL)
+  return {arch: build.compile_variant(arch, SMALL, cache_dir=cache) for arch in build.ARCHS}
+
+
+def _ptx(meta, role):
+  return (pathlib.Path(meta["directory"]) / meta["roles"][role - 1]["ptx"]).read_text()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Compilation and the PTX ABI
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@needs_dsl
+@pytest.mark.parametrize("arch", build.ARCHS)
+@pytest.mark.parametrize("role", [1, 2, 3])
+def test_role_compiles_to_a_cubin(built, arch, role):
+  meta = built[arch]
+  entry = meta["roles"][role - 1]
+  cubin = (pathlib.Path(meta["directory"]) / entry["cubin"]).read_bytes()
+  assert cubin[:4] == b"\x7fELF", f"{arch=}, {role=}: not an ELF cubin"
+  assert entry["entry"].startswith(ROLE_ENTRIES[role - 1]), f"{arch=}, {role=}: entry {entry['entry']}"
+  assert f".target {arch}" in _ptx(meta, role)
+  assert entry["block"] == 256 and entry["dynamic_smem"] == 0 and entry["local_bytes"] == 0, entry
+  assert entry["grid"] == (1 if role == 1 else 0)
+  assert 0 < entry["registers"] <= 255 and entry["static_smem"] <= 48 * 1024, entry
+
+
+@needs_dsl
+@pytest.mark.parametrize("arch", build.ARCHS)
+@pytest.mark.parametrize("role", [1, 2, 3])
+def test_ptx_entry_has_the_abi_params(built, arch, role):
+  entry = build.parse_ptx_entry(_ptx(built[arch], role))
+  types = [p["type"] for p in entry["params"]]
+  sizes = [p["bytes"] for p in entry["params"]]
+  assert types == [".u64"] * 13 + [".u32", ".f32"], f"{arch=}, {role=}: {entry['params']}"
+  assert sizes == [8] * 13 + [4, 4], f"{arch=}, {role=}: {sizes}"
+  assert all(".ptr .global .align 16" in p["decl"] for p in entry["params"][:13]), entry["params"]
+  assert entry["reqntid"] == [256, 1, 1]
+  names = [p["name"] for p in built[arch]["roles"][role - 1]["params"]]
+  assert names == list(abi.PARAMS)
+
+
+@needs_dsl
+@pytest.mark.parametrize("arch", build.ARCHS)
+def test_role2_waits_are_bounded_acquires(built, arch):
+  ptx = _ptx(built[arch], 2)
+  assert ptx.count("%globaltimer") >= 2, "role 2 must read %globaltimer before and while spinning"
+  assert "ld.acquire.gpu" in ptx, "role 2 must poll ready[e] with acquire loads"
+  assert "fence.acq_rel.gpu" in ptx
+  assert "atom.global.cas.b32" in ptx, "a timeout records the fault through a CAS on error_flag"
+  assert "trap" not in ptx, "a timeout must not trap (the context stays usable)"
+  assert "fma." not in ptx, "every float op of the exact math has an explicit rounding (no contraction)"
+
+
+@needs_dsl
+@pytest.mark.parametrize("arch", build.ARCHS)
+def test_role1_publishes_with_release_and_role3_advances_the_epoch(built, arch):
+  r1, r3 = _ptx(built[arch], 1), _ptx(built[arch], 3)
+  assert "st.release.gpu" in r1 and "atom.global.cas.b32" in r1
+  # Role 3 stores header.epoch (workspace offset 0) after a barrier.
+  assert "bar.sync" in r3 and re.search(r"st\.global\.b32\s+\[%rd\d+\]", r3), r3[-2000:]
+
+
+@needs_dsl
+def test_shared_expert_variant_compiles(cache):
+  meta = build.compile_variant("sm_90a", SMALL_SHARED, cache_dir=cache)
+  assert meta["variant"]["shared_group"] == 32
+  assert all(r["local_bytes"] == 0 for r in meta["roles"])
+  ptx = _ptx(meta, 2)
+  assert "ld.global.nc.v4.u32" in ptx and "min.NaN.f32" in ptx
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Manifest, cache and loading
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@needs_dsl
+def test_manifest_round_trips(built, cache, monkeypatch):
+  meta = built["sm_90a"]
+  on_disk = json.loads((pathlib.Path(meta["directory"]) / "meta.json").read_text())
+  assert {k: v for k, v in meta.items() if k != "directory"} == on_disk
+  assert on_disk["key"] == build.cache_key("sm_90a", SMALL) == pathlib.Path(meta["directory"]).name
+  assert on_disk["source_sha256"] == build.source_sha256()
+  assert on_disk["cutlass_dsl"] == build.dsl_versions() and "nvidia-cutlass-dsl" in on_disk["cutlass_dsl"]
+  assert Variant(**on_disk["variant"]) == SMALL
+  assert on_disk["workspace"]["total"] == SMALL.workspace().total
+  again = build.compile_variant("sm_90a", SMALL, cache_dir=cache)  # a cache hit: nothing recompiled
+  assert again == meta
+  monkeypatch.setenv(build.CUBIN_DIR_ENV, str(cache))
+  loaded = build.load_or_build("sm_90a", SMALL)
+  assert loaded.meta == on_disk
+  assert loaded.launch(1) == (1, 256, 0) and loaded.launch(2) == (0, 256, 0)
+  assert loaded.cubin(2)[:4] == b"\x7fELF"
+  assert len([p for p in cache.iterdir() if p.name.startswith(".")]) == 0, "no temporary build left behind"
+
+
+@needs_dsl
+def test_cli_builds_into_out(built, cache, capsys):
+  status = cli_main(["build-kernels", "--arch", "sm_90a,sm_120a", "--out", str(cache), "--variant",
+                     "512,256,8,4,16"])
+  out = capsys.readouterr().out
+  assert status == 0, out
+  assert build.cache_key("sm_120a", SMALL) in out and "2 builds" in out
+  index = json.loads((cache / "index.json").read_text())
+  assert {e["key"] for e in index} >= {build.cache_key(a, SMALL) for a in build.ARCHS}
+
+
+def test_cubin_dir_missing_key_names_it_and_lists_what_is_present(tmp_path, monkeypatch):
+  (tmp_path / "h512_i256_e8_k4_t16-sm_90a-000000000000").mkdir()
+  (tmp_path / "h512_i256_e8_k4_t16-sm_90a-000000000000" / "meta.json").write_text("{}")
+  monkeypatch.setenv(build.CUBIN_DIR_ENV, str(tmp_path))
+  key = build.cache_key("sm_120a", SMALL)
+  with pytest.raises(BuildError, match=re.escape(key)) as info:
+    build.load_or_build("sm_120a", SMALL)
+  msg = str(info.value)
+  assert "h512_i256_e8_k4_t16-sm_90a-000000000000" in msg and "build-kernels" in msg, msg
+  assert "--variant 512,256,8,4,16" in msg
+
+
+def test_without_dsl_the_error_says_how_to_build(tmp_path, monkeypatch):
+  monkeypatch.delenv(build.CUBIN_DIR_ENV, raising=False)
+  monkeypatch.setitem(sys.modules, "cutlass", None)  # `import cutlass` raises ImportError
+  with pytest.raises(BuildError, match="python -m gcmoe_jax build-kernels --arch sm_90a") as info:
+    build.load_or_build("sm_90a", SMALL, cache_dir=tmp_path)
+  assert build.CUBIN_DIR_ENV in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Variants and PTX parsing (no DSL needed)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_variant_parse_and_key():
+  assert Variant.parse("512,256,8,4,16") == SMALL
+  v = Variant.parse("6144,2048,32,8,64,2048,128")
+  assert v.key == "h6144_i2048_e32_k8_t64_s2048g128" and v.shared
+
+
+@pytest.mark.parametrize("text, match", [
+  ("512,256,8,4", "expected 5 or 7"),
+  ("512,256,8,4,x", "ints"),
+  ("500,256,8,4,16", "hidden must be a multiple of 128"),
+  ("512,256,0,4,16", "experts must be a positive int"),
+  ("512,256,8,4,16,256,64", "shared_group must be 32 or 128"),
+])
+def test_variant_rejects(text, match):
+  with pytest.raises(ValueError, match=match):
+    Variant.parse(text)
+
+
+def test_unknown_arch_is_rejected():
+  with pytest.raises(ValueError, match="arch must be one of"):
+    build.cache_key("sm_80", SMALL)
+
+
+def test_parse_ptx_entry_rejects_two_entries():
+  ptx = ".visible .entry a(\n\t.param .u32 a_p0\n)\n{}\n.visible .entry b(\n\t.param .u32 b_p0\n)\n{}\n"
+  with pytest.raises(BuildError, match="exactly one .entry"):
+    build.parse_ptx_entry(ptx)
+
+
+def test_cli_requires_a_variant(capsys):
+  assert cli_main(["build-kernels", "--out", "/nonexistent-never-created"]) == 2
+  assert "at least one --variant or --preset" in capsys.readouterr().err
