@@ -53,6 +53,19 @@ def _bf16(v: jax.Array) -> jax.Array:
   return jnp.asarray(v).astype(jnp.bfloat16)
 
 
+def _round_bf16(v: jax.Array) -> jax.Array:
+  """float32 -> float32 on the BF16 grid (round to nearest even; NaN stays NaN, overflow goes to Inf).
+
+  Integer arithmetic on the bits rather than a convert pair: XLA may drop an f32 -> bf16 -> f32 round trip
+  (``xla_allow_excess_precision``), which would make the oracle skip a rounding on some backends.
+  """
+  u = jax.lax.bitcast_convert_type(jnp.asarray(v, jnp.float32), jnp.uint32)
+  rounded = (u + jnp.uint32(0x7FFF) + ((u >> 16) & 1)) & jnp.uint32(0xFFFF0000)
+  quiet_nan = (u & jnp.uint32(0xFFFF0000)) | jnp.uint32(0x00400000)
+  out = jnp.where(jnp.isnan(v), quiet_nan, rounded)
+  return jax.lax.bitcast_convert_type(out, jnp.float32)
+
+
 def mxfp8(v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   """MXFP8 of rows ``[M, K]``: (int32 values ``x * 2**9`` [M, K], NaN flags [M, K/32], exponents int32 [M, K/32]).
 
@@ -102,7 +115,10 @@ def _gemm(x_ints, x_nan, x_exp, weight_block, num_blocks: int, n: int, fp8_weigh
     p = jnp.where(jax.lax.dynamic_index_in_dim(x_nan, b, axis=1), jnp.nan, p)
     return acc + p, None
 
-  acc, _ = jax.lax.scan(step, jnp.zeros((m, n), jnp.float32), jnp.arange(num_blocks))
+  # Block 0 runs outside the scan so that the carry has the step's type (shard_map's check_vma rejects a carry
+  # built from an unvarying jnp.zeros); the additions are the same, in the same order.
+  acc, _ = step(jnp.zeros((m, n), jnp.float32), jnp.int32(0))
+  acc, _ = jax.lax.scan(step, acc, jnp.arange(1, num_blocks))
   return acc
 
 
@@ -143,22 +159,23 @@ def _swiglu(h: jax.Array, clamp: float | None) -> jax.Array:
   """``h`` [M, 2I] f32 in the stored gate/up interleave -> BF16 ``silu(min(g, c)) * clip(u, -c, c)`` [M, I]."""
   h = formats.gate_up_deinterleave(h)
   i = h.shape[-1] // 2
-  g, u = _bf16(h[:, :i]), _bf16(h[:, i:])
+  g, u = _round_bf16(h[:, :i]), _round_bf16(h[:, i:])
   if clamp is not None:
-    c = _bf16(clamp)
+    c = _round_bf16(jnp.float32(clamp))
     g = jnp.minimum(g, c)
     u = jnp.clip(u, -c, c)
-  s = jnp.asarray(silu_table())[jax.lax.bitcast_convert_type(g, jnp.uint16).astype(jnp.int32)]
-  return _bf16(s * u.astype(jnp.float32))
+  g_bits = jax.lax.bitcast_convert_type(g, jnp.uint32) >> 16
+  s = jnp.asarray(silu_table())[g_bits.astype(jnp.int32)]
+  return _round_bf16(s * u)
 
 
-def _expert_mlp(x_bf16: jax.Array, row_weight: jax.Array, gemm1, gemm2, i: int, h: int, clamp) -> jax.Array:
-  """Steps 1-5 of DESIGN §2 for rows ``[M, H]``; returns BF16 ``[M, H]``."""
-  xi, xnan, xexp = mxfp8(x_bf16)
+def _expert_mlp(x: jax.Array, row_weight: jax.Array, gemm1, gemm2, clamp) -> jax.Array:
+  """Steps 1-5 of DESIGN §2 for rows ``[M, H]`` of BF16 values (held in float32); returns them likewise."""
+  xi, xnan, xexp = mxfp8(x)
   hid = gemm1(xi, xnan, xexp)  # [M, 2I]
-  a = _bf16(row_weight[:, None] * _swiglu(hid, clamp).astype(jnp.float32))
+  a = _round_bf16(row_weight[:, None] * _swiglu(hid, clamp))
   ai, anan, aexp = mxfp8(a)
-  return _bf16(gemm2(ai, anan, aexp))
+  return _round_bf16(gemm2(ai, anan, aexp))
 
 
 def moe_emulated(x: jax.Array, w: ExpertWeights, ids: jax.Array, weights: jax.Array, *,
@@ -177,7 +194,7 @@ def moe_emulated(x: jax.Array, w: ExpertWeights, ids: jax.Array, weights: jax.Ar
   """
   e, h, i = w.num_experts, w.hidden, w.intermediate
   t, k = ids.shape
-  x = _bf16(x)
+  x = _bf16(x).astype(jnp.float32)
   if t == 0:
     return jnp.zeros((0, h), jnp.bfloat16)
   flat_ids = ids.reshape(-1).astype(jnp.int32)
@@ -186,21 +203,21 @@ def moe_emulated(x: jax.Array, w: ExpertWeights, ids: jax.Array, weights: jax.Ar
   rows = jnp.repeat(x, k, axis=0)  # [T*k, H], row t*k + j
   gemm1 = lambda xi, xn, xe: _gemm(xi, xn, xe, _routed_block(w.w13, w.w13_scale, eids), h // BLOCK, 2 * i, False)
   gemm2 = lambda xi, xn, xe: _gemm(xi, xn, xe, _routed_block(w.w2, w.w2_scale, eids), i // BLOCK, h, False)
-  o = _expert_mlp(rows, weights.reshape(-1).astype(jnp.float32), gemm1, gemm2, i, h, clamp)
-  o = jnp.where(valid[:, None], o.astype(jnp.float32), 0.0).reshape(t, k, h)
+  o = _expert_mlp(rows, weights.reshape(-1).astype(jnp.float32), gemm1, gemm2, clamp)
+  o = jnp.where(valid[:, None], o, 0.0).reshape(t, k, h)
   acc = jnp.zeros((t, h), jnp.float32)
   for j in range(k):  # the fixed summation order of step 6
     acc = acc + o[:, j]
   if w.shared is not None:
-    acc = acc + _shared_expert(x, w.shared, clamp).astype(jnp.float32)
-  return _bf16(acc)
+    acc = acc + _shared_expert(x, w.shared, clamp)
+  return _round_bf16(acc).astype(jnp.bfloat16)  # exact: the value is already on the BF16 grid
 
 
 def _shared_expert(x: jax.Array, s: SharedWeights, clamp: float | None) -> jax.Array:
   h, i_s = s.hidden, s.intermediate
   gemm1 = lambda xi, xn, xe: _gemm(xi, xn, xe, _shared_block(s.s13, s.s13_scale, s.group), h // BLOCK, 2 * i_s, True)
   gemm2 = lambda xi, xn, xe: _gemm(xi, xn, xe, _shared_block(s.s2, s.s2_scale, s.group), i_s // BLOCK, h, True)
-  return _expert_mlp(x, jnp.ones((x.shape[0],), jnp.float32), gemm1, gemm2, i_s, h, clamp)
+  return _expert_mlp(x, jnp.ones((x.shape[0],), jnp.float32), gemm1, gemm2, clamp)
 
 
 def moe_bf16(x: jax.Array, w13: jax.Array, w2: jax.Array, ids: jax.Array, weights: jax.Array, *,
