@@ -8,6 +8,7 @@
 #include <exception>
 #include <new>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -24,7 +25,8 @@ ffi::Error MoeCpuImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w13
                       ffi::AnyBuffer w2, ffi::AnyBuffer w2_scale, ffi::AnyBuffer ids, ffi::AnyBuffer weights,
                       ffi::AnyBuffer s13, ffi::AnyBuffer s13_scale, ffi::AnyBuffer s2, ffi::AnyBuffer s2_scale,
                       ffi::Result<ffi::AnyBuffer> y, int64_t h, int64_t i, int64_t e, int64_t k, int64_t is,
-                      int64_t group, float clamp, int64_t flags) {
+                      int64_t group, float clamp, int64_t flags, std::string_view variant) {
+  (void)variant;  // the CUDA kernel variant; nothing to choose on CPU
   const MoeAttrs attrs{h, i, e, k, is, group, clamp, flags};
   int64_t t = 0;
   GCMOE_RETURN_IF_ERROR(CheckMoeCall(
@@ -102,4 +104,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GcmoeMoeCpu, gcmoe::MoeCpuImpl,
                                   .Attr<int64_t>("Is")          // Is         int64 (0: no shared expert)
                                   .Attr<int64_t>("group")       // group      int64 (32, 128; 0: no shared expert)
                                   .Attr<float>("clamp")         // clamp      float32 (read when flags has kMoeHasClamp)
-                                  .Attr<int64_t>("flags"));     // flags      int64 (MoeFlags bits)
+                                  .Attr<int64_t>("flags")       // flags      int64 (MoeFlags bits)
+                                  .Attr<std::string_view>("variant"));  // variant  str (CUDA kernel variant key)

@@ -9,23 +9,32 @@
 
 #include <cuda.h>
 
+#include <cmath>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <string_view>
 #include <memory>
 #include <string>
 #include <utility>
 
 #include "common.h"
+#include "gc_runtime.h"
 #include "moe.h"
 #include "moe_checks.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace gcmoe {
 
-// Per call site, shared by every local GPU of the process (XLA instantiates once per executable, not per device):
-// per-device resources will live in a map keyed by the device ordinal, behind a mutex.
+// Per call site (XLA instantiates once per executable, not per device): the kernel variant, and one Runtime per
+// (device, T) built on first use, behind a mutex (PJRT runs each local device's call on its own thread).
 struct MoeCudaState {
   static ffi::TypeId id;
   MoeAttrs attrs;
+  std::string variant;
+  std::shared_ptr<const VariantSpec> spec;
+  std::mutex mutex;
+  std::map<std::pair<int32_t, int64_t>, std::unique_ptr<Runtime>> runtimes;
 };
 
 ffi::TypeId MoeCudaState::id = {};
@@ -33,12 +42,21 @@ ffi::TypeId MoeCudaState::id = {};
 namespace {
 
 ffi::ErrorOr<std::unique_ptr<MoeCudaState>> MoeCudaInstantiate(int64_t h, int64_t i, int64_t e, int64_t k, int64_t is,
-                                                               int64_t group, float clamp, int64_t flags) {
+                                                               int64_t group, float clamp, int64_t flags,
+                                                               std::string_view variant) {
   const MoeAttrs attrs{h, i, e, k, is, group, clamp, flags};
   ffi::Error error = CheckMoeAttrs(attrs);
   if (error.failure()) return ffi::Unexpected<ffi::Error>(std::move(error));
   auto state = std::make_unique<MoeCudaState>();
   state->attrs = attrs;
+  state->variant = std::string(variant);
+  state->spec = FindVariant(state->variant);
+  if (state->spec == nullptr) {
+    return ffi::Unexpected<ffi::Error>(ffi::Error::InvalidArgument(
+        std::string(kMoeOp) + ": kernel variant '" + state->variant +
+        "' is not registered in this process (gcmoe_jax registers it when it traces gm.moe; a program loaded from a "
+        "compilation cache must trace gm.moe once first)"));
+  }
   return ffi::ErrorOr<std::unique_ptr<MoeCudaState>>(std::move(state));
 }
 
@@ -46,14 +64,33 @@ ffi::Error MoeCudaExecute(CUstream stream, int32_t device_ordinal, MoeCudaState*
                           ffi::AnyBuffer w13, ffi::AnyBuffer w13_scale, ffi::AnyBuffer w2, ffi::AnyBuffer w2_scale,
                           ffi::AnyBuffer ids, ffi::AnyBuffer weights, ffi::AnyBuffer s13, ffi::AnyBuffer s13_scale,
                           ffi::AnyBuffer s2, ffi::AnyBuffer s2_scale, ffi::Result<ffi::AnyBuffer> y) {
-  (void)stream;
-  (void)device_ordinal;
   if (state == nullptr) return ffi::Error::Internal(std::string(kMoeOp) + ": the instantiate stage left no state");
   int64_t t = 0;
   GCMOE_RETURN_IF_ERROR(CheckMoeCall(
       state->attrs, MoeBuffers{x, w13, w13_scale, w2, w2_scale, ids, weights, s13, s13_scale, s2, s2_scale, *y}, &t));
-  return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                    std::string(kMoeOp) + ": the CUDA runtime is not implemented yet (issue 5)");
+  std::string why;
+  const CudaDriver* cu = GetCudaDriver(&why);
+  if (cu == nullptr) return ffi::Error::Internal(std::string(kMoeOp) + ": " + why);
+  Runtime* rt = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(state->mutex);
+    auto& slot = state->runtimes[{device_ordinal, t}];
+    if (slot == nullptr) {
+      // +inf is exactly "no clamp" for the kernels: min(g, inf) = g, clip(u, -inf, inf) = u.
+      const float clamp = state->attrs.has_clamp() ? state->attrs.clamp : HUGE_VALF;
+      slot = Runtime::Create(*cu, state->spec, stream, t, clamp, &why);
+      if (slot == nullptr) return ffi::Error::InvalidArgument(why);
+    }
+    rt = slot.get();
+  }
+  auto ptr = [](const ffi::AnyBuffer& b) { return reinterpret_cast<CUdeviceptr>(b.untyped_data()); };
+  // Kernel parameter order: gcmoe_jax/kernels/abi.py PARAMS (the workspace pointer is the runtime's own).
+  const PointerParams ptrs = {ptr(x),  ptr(ids), ptr(weights), ptr(w13), ptr(w13_scale), ptr(w2),          ptr(w2_scale),
+                              ptr(s13), ptr(s13_scale), ptr(s2), ptr(s2_scale), ptr(*y), CUdeviceptr{0}};
+  std::string err = rt->Execute(stream, ptrs);
+  if (err.empty() && (state->attrs.flags & kMoeSyncCheck) != 0) err = rt->SyncAndCheck(stream);
+  if (!err.empty()) return ffi::Error(ffi::ErrorCode::kInternal, err);
+  return ffi::Error::Success();
 }
 
 }  // namespace
@@ -71,7 +108,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GcmoeMoeCudaInstantiate, gcmoe::MoeCudaInstantiate
                                   .Attr<int64_t>("Is")      // Is     int64 (0: no shared expert)
                                   .Attr<int64_t>("group")   // group  int64 (32, 128; 0: no shared expert)
                                   .Attr<float>("clamp")     // clamp  float32 (read when flags has kMoeHasClamp)
-                                  .Attr<int64_t>("flags"));  // flags  int64 (MoeFlags bits)
+                                  .Attr<int64_t>("flags")   // flags  int64 (MoeFlags bits)
+                                  .Attr<std::string_view>("variant"));  // variant  str (registered kernel variant)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GcmoeMoeCudaExecute, gcmoe::MoeCudaExecute,
                               xla::ffi::Ffi::Bind()

@@ -12,6 +12,7 @@ namespace gcmoe {
 enum MoeFlags : int64_t {
   kMoeHasShared = 1,  // the shared-expert buffers hold a shared expert
   kMoeHasClamp = 2,   // the SwiGLU clamp attribute applies
+  kMoeSyncCheck = 4,  // CUDA: synchronise after the call and report a device fault at once (GCMOE_SYNC_CHECK)
 };
 
 // Sizes, all static (attributes), except `tokens` (the leading dimension of x).

@@ -33,8 +33,8 @@ inline ffi::Error CheckMoeAttrs(const MoeAttrs& a) {
                                   "to be a positive multiple of 128", a.intermediate));
   GCMOE_RETURN_IF_ERROR(CheckAttr(op, a.experts > 0, "E", "to be positive", a.experts));
   GCMOE_RETURN_IF_ERROR(CheckAttr(op, a.top_k > 0, "k", "to be positive", a.top_k));
-  GCMOE_RETURN_IF_ERROR(CheckAttr(op, (a.flags & ~int64_t{kMoeHasShared | kMoeHasClamp}) == 0, "flags",
-                                  "to hold only the bits 1 (shared) and 2 (clamp)", a.flags));
+  GCMOE_RETURN_IF_ERROR(CheckAttr(op, (a.flags & ~int64_t{kMoeHasShared | kMoeHasClamp | kMoeSyncCheck}) == 0,
+                                  "flags", "to hold only the bits 1 (shared), 2 (clamp) and 4 (sync check)", a.flags));
   if (a.has_shared()) {
     GCMOE_RETURN_IF_ERROR(CheckAttr(op, a.shared_intermediate > 0 && a.shared_intermediate % kMoeKTile == 0, "Is",
                                     "to be a positive multiple of 128 with a shared expert", a.shared_intermediate));

@@ -138,7 +138,16 @@ def _support(name: str, platform: str) -> Support:
     return ffi.platform_support("cpu")
   if platform != "gpu":
     return Support(False, f"needs a CUDA GPU, and the default device is {platform}")
+  arch = ffi.device_arch()
+  if not arch.ok:
+    return arch
   return ffi.platform_support("cuda")
+
+
+def backend_support() -> dict[str, Support]:
+  """Each backend's `Support` on the default device, probed now (uncached; `explain` caches its answer)."""
+  platform = jax.default_backend()
+  return {name: _support(name, platform) for name in ("cuda", "cpu", "reference")}
 
 
 @functools.lru_cache(maxsize=None)
@@ -208,4 +217,4 @@ def moe(x: jax.Array, w: ExpertWeights, routes: Routes, *, clamp: float | None =
   clamp = None if clamp is None else float(clamp)
   if chosen == "reference":
     return _reference_jit(x, w, ids, weights, clamp)
-  return ffi.moe_call(x, w, ids, weights, clamp=clamp)
+  return ffi.moe_call(x, w, ids, weights, clamp=clamp, backend=chosen)

@@ -324,9 +324,20 @@ def test_library_info_describes_the_cpu_target():
   assert ffi.TARGET in str(info)
 
 
-def test_cuda_is_not_supported_until_the_runtime_lands():
-  assert ffi.platform_support("cuda") == (False, ffi.CUDA_PENDING)
-  assert ffi.CUDA_PENDING == "CUDA runtime not implemented yet (issue 5)"
+def test_cuda_support_follows_the_build():
+  info = ffi.library_info()
+  s = ffi.platform_support("cuda")
+  if info.build.get("cuda"):
+    assert s.ok and "CUDA runtime" in s.reason
+  else:
+    assert not s.ok and "declares no CUDA target" in s.reason
+
+
+def test_auto_never_picks_cuda_without_a_gpu():
+  if jax.default_backend() != "cpu":
+    pytest.skip("checks the CPU machine's answer")
+  e = gm.explain("cuda")
+  assert e.backend is None and "needs a CUDA GPU" in dict(e.reasons)["cuda"].reason
 
 
 def test_unknown_platform_is_a_value_error():

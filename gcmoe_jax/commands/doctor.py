@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jaxlib
 
-from gcmoe_jax import ffi
+from gcmoe_jax import api, ffi
 
 # Green contexts (cuGreenCtxCreate) need a CUDA 12.4 driver; balanced workqueues (CU_DEV_RESOURCE_TYPE_WORKQUEUE_CONFIG)
 # and cuDevSmResourceSplit need 13.1 (DESIGN §5, measured on the H100).
@@ -57,7 +57,9 @@ def run(args: argparse.Namespace) -> int:
 def collect() -> dict[str, Any]:
   """Everything the report shows, as plain data (JSON-serialisable)."""
   info = ffi.library_info()
-  cpu, cuda = ffi.platform_support("cpu"), ffi.platform_support("cuda")
+  # What `gm.moe` would do here (device and arch included), not only whether the handlers are built.
+  reasons = api.backend_support()
+  cpu, cuda = reasons["cpu"], reasons["cuda"]
   return {
     "python": f"{sys.version.split()[0]} ({sys.executable})",
     "platform": platform.platform(),

@@ -5,7 +5,6 @@ toolkit, the CUDA handler. It is loaded and its targets registered lazily, once,
 through one `jax.ffi.ffi_call` path (`_moe`).
 """
 
-from gcmoe_jax.ffi._library import CUDA_PENDING as CUDA_PENDING
 from gcmoe_jax.ffi._library import TARGET as TARGET
 from gcmoe_jax.ffi._library import LibraryInfo as LibraryInfo
 from gcmoe_jax.ffi._library import library as library
@@ -17,3 +16,6 @@ from gcmoe_jax.ffi._moe import MoeAttrs as MoeAttrs
 from gcmoe_jax.ffi._moe import moe_call as moe_call
 from gcmoe_jax.ffi._moe import moe_ffi as moe_ffi
 from gcmoe_jax.ffi._moe import no_shared_operands as no_shared_operands
+from gcmoe_jax.ffi._cuda import debug_set_stall_expert as debug_set_stall_expert
+from gcmoe_jax.ffi._cuda import device_arch as device_arch
+from gcmoe_jax.ffi._cuda import graph_instantiations as graph_instantiations

@@ -35,8 +35,6 @@ from gcmoe_jax._support import Support
 LIBRARY_NAME = "libgcmoe_jax_ffi.so"
 ENV_LIBRARY = "GCMOE_FFI_LIBRARY"
 TARGET = "gcmoe_moe_v1"
-# What platform_support("cuda") says until the CUDA runtime exists, whether or not the CUDA handler was compiled.
-CUDA_PENDING = "CUDA runtime not implemented yet (issue 5)"
 
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
 log = logging.getLogger("gcmoe_jax")
@@ -250,21 +248,22 @@ def platform_support(platform: str) -> Support:
     platform: ``"cpu"`` or ``"cuda"``.
 
   Returns:
-    `Support`. ``"cuda"`` is never ok until the CUDA runtime lands: its reason is `CUDA_PENDING`.
+    `Support`: the handler is built and registered (whether a GPU can run it is `api`'s check).
 
   Raises:
     ValueError: for another platform.
   """
-  if platform == "cuda":
-    return Support(False, CUDA_PENDING)
-  if platform != "cpu":
+  if platform not in ("cpu", "cuda"):
     raise ValueError(f"platform_support: platform must be 'cpu' or 'cuda', got {platform!r}")
   info = library_info()
   if info.error is not None:
     return Support(False, info.error)
-  s = info.registered.get("cpu")
+  key = "CUDA" if platform == "cuda" else "cpu"
+  s = info.registered.get(key)
   if s is None:
-    return Support(False, f"{info.path} declares no CPU target")
+    return Support(False, f"{info.path} declares no {key} target (built without a CUDA toolkit?)")
   if not s.ok:
     return s
+  if platform == "cuda":
+    return Support(True, f"GC-MoE CUDA runtime ({TARGET}: green contexts, role graph) from {info.path}")
   return Support(True, f"C++ CPU handler {TARGET} from {info.path}")

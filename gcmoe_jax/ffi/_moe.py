@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gcmoe_jax import _compat
-from gcmoe_jax.ffi import _library
+from gcmoe_jax import _compat, _config
+from gcmoe_jax.ffi import _cuda, _library
 from gcmoe_jax.formats import ExpertWeights
 
 FORWARD_ONLY = ("gcmoe_jax.moe is forward-only: it has no JVP or VJP (a decode operator over quantized weights); "
@@ -33,6 +33,7 @@ class Flag(enum.IntFlag):
 
   HAS_SHARED = 1
   HAS_CLAMP = 2
+  SYNC_CHECK = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,11 +53,13 @@ class MoeAttrs:
   shared_intermediate: int = 0
   shared_group: int = 0
   clamp: float | None = None
+  variant: str = ""  # the CUDA kernel variant key (`_cuda.prepare`); "" on CPU
+  sync_check: bool = False  # CUDA: synchronise and report device faults at once (GCMOE_SYNC_CHECK)
 
   @classmethod
-  def from_weights(cls, w: ExpertWeights, top_k: int, clamp: float | None) -> MoeAttrs:
+  def from_weights(cls, w: ExpertWeights, top_k: int, clamp: float | None, **kw) -> MoeAttrs:
     e, h, i, i_s, group = w.config
-    return cls(h, i, e, int(top_k), i_s or 0, group or 0, None if clamp is None else float(clamp))
+    return cls(h, i, e, int(top_k), i_s or 0, group or 0, None if clamp is None else float(clamp), **kw)
 
   @property
   def flags(self) -> Flag:
@@ -65,6 +68,8 @@ class MoeAttrs:
       f |= Flag.HAS_SHARED
     if self.clamp is not None:
       f |= Flag.HAS_CLAMP
+    if self.sync_check:
+      f |= Flag.SYNC_CHECK
     return f
 
   def ffi_attributes(self) -> dict[str, np.generic]:
@@ -79,6 +84,7 @@ class MoeAttrs:
       # float32, as the reference holds the clamp before its bf16 rounding (jnp.asarray(clamp) is float32).
       "clamp": np.float32(0.0 if self.clamp is None else self.clamp),
       "flags": np.int64(int(self.flags)),
+      "variant": self.variant,
     }
 
 
@@ -137,7 +143,7 @@ def no_shared_operands() -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
 
 
 def moe_call(x: jax.Array, w: ExpertWeights, ids: jax.Array, weights: jax.Array, *,
-             clamp: float | None) -> jax.Array:
+             clamp: float | None, backend: str = "cpu") -> jax.Array:
   """The operator through the FFI handler of the platform it is compiled for (arguments checked by `gcmoe_jax.moe`).
 
   Args:
@@ -152,7 +158,12 @@ def moe_call(x: jax.Array, w: ExpertWeights, ids: jax.Array, weights: jax.Array,
   """
   if clamp is not None and not math.isfinite(clamp):
     raise ValueError(f"moe: clamp must be finite, got {clamp}")
-  attrs = MoeAttrs.from_weights(w, ids.shape[1], clamp)
+  kw = {}
+  if backend == "cuda":
+    e, h, i, i_s, group = w.config
+    kw = {"variant": _cuda.prepare(h, i, e, int(ids.shape[1]), int(x.shape[0]), i_s or 0, group or 0),
+          "sync_check": bool(_config.get("GCMOE_SYNC_CHECK"))}
+  attrs = MoeAttrs.from_weights(w, ids.shape[1], clamp, **kw)
   s = w.shared
   shared = no_shared_operands() if s is None else (s.s13, s.s13_scale, s.s2, s.s2_scale)
   return moe_ffi(x, w.w13, w.w13_scale, w.w2, w.w2_scale, ids, weights, *shared, attrs=attrs)

@@ -1,0 +1,57 @@
+"""Every environment variable gcmoe_jax reads, declared once with its type, default and help (a leaf module).
+
+Read them through `get`; `python -m gcmoe_jax doctor` lists them all. Variables that change kernels or geometry
+enter the kernel variant key and the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Var:
+  name: str
+  parse: Callable[[str], Any]
+  default: Any
+  help: str
+
+
+def _bool(text: str) -> bool:
+  if text.lower() in ("1", "true", "yes", "on"):
+    return True
+  if text.lower() in ("0", "false", "no", "off", ""):
+    return False
+  raise ValueError(f"expected one of 1/0/true/false/yes/no/on/off, got {text!r}")
+
+
+VARS = {v.name: v for v in (
+  Var("GCMOE_FFI_LIBRARY", str, "", "path of libgcmoe_jax_ffi.so to load instead of the installed one"),
+  Var("GCMOE_CUBIN_DIR", str, "", "directory of prebuilt role-kernel cubins (python -m gcmoe_jax build-kernels)"),
+  Var("GC_MOE_SM120_DISPATCH_SMS", int, 6, "SMs requested for the dispatch green context (eq. 5); the compute "
+                                            "partition is the aligned rest of the device"),
+  Var("GCMOE_WAIT_TIMEOUT_MS", int, 2000, "bound of every device spin-wait; expiry becomes a Python exception"),
+  Var("GCMOE_SYNC_CHECK", _bool, False, "synchronise after each CUDA call and raise a device fault at once "
+                                        "(tests, debugging); otherwise it is raised by the next call"),
+  Var("GCMOE_TEST_LEVEL", str, "quick", "tests: quick or full"),
+)}
+
+
+def get(name: str) -> Any:
+  """The value of a declared variable (its default when unset); a malformed value raises naming the variable."""
+  var = VARS[name]
+  text = os.environ.get(name)
+  if text is None or text == "":
+    return var.default
+  try:
+    return var.parse(text)
+  except ValueError as e:
+    raise ValueError(f"gcmoe_jax: environment variable {name} must be {var.parse.__name__}, got {text!r}: {e}") \
+      from None
+
+
+def snapshot() -> dict[str, tuple[Any, bool, str]]:
+  """``name -> (value, is_set, help)`` for every declared variable (for doctor)."""
+  return {name: (get(name), bool(os.environ.get(name)), v.help) for name, v in VARS.items()}

@@ -1,0 +1,99 @@
+"""The CUDA backend's Python half: device facts, kernel variants, and their registration with the C++ runtime.
+
+At trace time `prepare` picks the kernel variant of the call (the smallest prebuilt token capacity that holds T),
+loads or builds its cubins (`kernels.build.load_or_build`), lays out the workspace (`kernels.abi`), and registers
+all of it in the library under a key (``gcmoe_register_variant``); the key becomes the ``variant`` attribute of the
+custom call, and the C++ instantiate stage finds the variant by it. Nothing here runs per call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import jax
+import numpy as np
+
+from gcmoe_jax import _config, reference
+from gcmoe_jax._support import Support
+from gcmoe_jax.ffi import _library
+from gcmoe_jax.kernels import abi, build
+
+# Token capacities the variants are built for: decode batches up to 256 tokens per rank (the paper's range).
+CAPACITIES = (8, 16, 64, 256)
+# Compute capability -> the cubin architecture (the MMA seam: sm_90a on Hopper, sm_120a on SM120).
+ARCHS = {(9, 0): "sm_90a", (12, 0): "sm_120a"}
+
+
+def device_arch(device: jax.Device | None = None) -> Support:
+  """``Support(ok, arch or reason)`` for a JAX device (default: the first)."""
+  device = device or jax.devices()[0]
+  if device.platform != "gpu":
+    return Support(False, f"needs a CUDA GPU, and the device is {device.platform}")
+  cc = getattr(device, "compute_capability", None)
+  try:
+    major, minor = (int(v) for v in str(cc).split("."))
+  except ValueError:
+    return Support(False, f"cannot read the compute capability of {device} (got {cc!r})")
+  arch = ARCHS.get((major, minor))
+  if arch is None:
+    return Support(False, f"compute capability {major}.{minor} is not supported (supported: "
+                          f"{', '.join(f'{a}.{b}' for a, b in ARCHS)})")
+  return Support(True, arch)
+
+
+def capacity_for(tokens: int) -> int:
+  for c in CAPACITIES:
+    if tokens <= c:
+      return c
+  raise ValueError(f"moe: the CUDA backend runs decode batches of at most {CAPACITIES[-1]} tokens per call (per "
+                   f"rank), got T = {tokens}; split the batch or use backend='cpu'/'reference'")
+
+
+@functools.lru_cache(maxsize=None)
+def _register(arch: str, variant: build.Variant, dispatch_sms: int, timeout_ns: int) -> str:
+  built = build.load_or_build(arch, variant)
+  ws = variant.workspace()
+  key = f"{build.cache_key(arch, variant)}:d{dispatch_sms}:t{timeout_ns}"
+  lib = _library.library()
+  if lib is None:
+    raise RuntimeError(f"gcmoe_jax FFI: {_library.library_info().error}")
+  config = (ctypes.c_int64 * 5)(variant.capacity, dispatch_sms, timeout_ns, ws.total, ws.silu_table)
+  launch = (ctypes.c_uint32 * 9)(*(v for r in (1, 2, 3) for v in built.launch(r)))
+  cubins = [built.cubin(r) for r in (1, 2, 3)]
+  table = np.ascontiguousarray(reference.silu_table(), np.float32)
+  error = ctypes.create_string_buffer(1024)
+  fn = lib.gcmoe_register_variant
+  fn.restype = ctypes.c_int
+  rc = fn(key.encode(), config, 5, launch, cubins[0], len(cubins[0]), cubins[1], len(cubins[1]), cubins[2],
+          len(cubins[2]), table.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), ctypes.c_int64(table.size), error,
+          len(error))
+  if rc != 0:
+    raise RuntimeError(f"gcmoe_jax: registering kernel variant {key} failed: {error.value.decode()}")
+  return key
+
+
+def prepare(hidden: int, intermediate: int, experts: int, top_k: int, tokens: int, shared_intermediate: int,
+            shared_group: int) -> str:
+  """Registers the kernel variant of a call and returns its key (the ``variant`` attribute)."""
+  s = device_arch()
+  if not s.ok:
+    raise RuntimeError(f"moe: backend='cuda' cannot run here: {s.reason}")
+  variant = build.Variant(hidden, intermediate, experts, top_k, capacity_for(tokens),
+                          shared_intermediate or None, shared_group or None)
+  timeout_ns = int(_config.get("GCMOE_WAIT_TIMEOUT_MS")) * 1_000_000
+  return _register(s.reason, variant, int(_config.get("GC_MOE_SM120_DISPATCH_SMS")), timeout_ns)
+
+
+def graph_instantiations() -> int:
+  """CUDA graphs instantiated in this process so far (one per call site, device and T; never per call)."""
+  lib = _library.library()
+  fn = lib.gcmoe_graph_instantiations
+  fn.restype = ctypes.c_int64
+  return int(fn())
+
+
+def debug_set_stall_expert(expert: int) -> None:
+  """Test hook: role 1 of every later call withholds ``expert`` (-1: off), so role 2's wait expires."""
+  lib = _library.library()
+  lib.gcmoe_debug_set_stall_expert(ctypes.c_int32(expert))
