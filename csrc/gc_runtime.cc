@@ -211,6 +211,7 @@ std::string Runtime::Init(std::shared_ptr<const VariantSpec> spec, CUstream stre
   copy.dstMemoryType = CU_MEMORYTYPE_HOST;
   copy.dstHost = host_header_;
   copy.WidthInBytes = sizeof(WorkspaceHeader);
+  copy.srcPitch = copy.dstPitch = sizeof(WorkspaceHeader);
   copy.Height = 1;
   copy.Depth = 1;
   CUgraphNode mirror;
