@@ -5,7 +5,6 @@ Run on the GPU machine with cubins built on a CPU machine:
 The figures it prints (cosine, max abs difference, exact share) are the ones reported in docs/perf.md.
 """
 
-import ctypes
 import dataclasses
 import os
 
@@ -167,22 +166,15 @@ def test_out_of_range_id_under_jit_raises_naming_it(monkeypatch):
 
 
 def test_a_grid_that_cannot_be_resident_is_rejected_with_the_numbers():
-  from gcmoe_jax.ffi import _cuda, _library, _moe
+  from gcmoe_jax.ffi import _cuda, _moe
   from gcmoe_jax.kernels import build
   x, w, r = quantized(make_problem("default", SMALL_GPU, seed=7))
   variant = build.Variant(512, 256, 8, 4, 16)
   built = build.load_or_build("sm_90a", variant)
-  lib = _library.library()
   ws = variant.workspace()
-  config = (ctypes.c_int64 * 5)(16, 6, 10**9, ws.total, ws.silu_table)
-  launch = (ctypes.c_uint32 * 9)(1, 256, 0, 100000, 256, 0, 0, 256, 0)  # role 2: 100000 CTAs
-  cubins = [built.cubin(i) for i in (1, 2, 3)]
-  table = np.ascontiguousarray(reference.silu_table())
-  err = ctypes.create_string_buffer(512)
-  assert lib.gcmoe_register_variant(b"too-big", config, 5, launch, cubins[0], len(cubins[0]), cubins[1],
-                                    len(cubins[1]), cubins[2], len(cubins[2]),
-                                    table.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), ctypes.c_int64(65536),
-                                    err, 512) == 0
+  _cuda.register_raw("too-big", (16, 6, 10**9, ws.total, ws.silu_table),
+                     (1, 256, 0, 100000, 256, 0, 0, 256, 0),  # role 2: 100000 CTAs
+                     [built.cubin(i) for i in (1, 2, 3)], reference.silu_table())
   attrs = _moe.MoeAttrs.from_weights(w, 4, None, variant="too-big")
   with pytest.raises(Exception, match=r"role 2 grid of 100000 CTAs cannot be resident: \d+ CTA\(s\) per SM .* \(eq. 6\)"):
     _moe.moe_ffi(x, w.w13, w.w13_scale, w.w2, w.w2_scale, r.ids, r.weights, *_moe.no_shared_operands(),

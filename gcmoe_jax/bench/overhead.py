@@ -10,7 +10,6 @@ and the finalize node, and the header mirror. Usage on a GPU machine:
 from __future__ import annotations
 
 import argparse
-import ctypes
 import pathlib
 import time
 
@@ -21,22 +20,14 @@ import numpy as np
 
 def measure(cubin_dir: pathlib.Path, calls: int = 2000) -> dict[str, float]:
   from gcmoe_jax import formats, reference
-  from gcmoe_jax.ffi import _library, _moe
+  from gcmoe_jax.ffi import _cuda, _moe
   from gcmoe_jax.kernels import abi
 
   h, i, e, k, t = 512, 256, 8, 4, 8
-  lib = _library.library()
   ws = abi.workspace_layout(e, t, k, h, False)
-  config = (ctypes.c_int64 * 5)(t, 6, 10**9, ws.total, ws.silu_table)
-  launch = (ctypes.c_uint32 * 9)(1, 32, 0, 0, 32, 0, 0, 32, 0)  # grids: 1, one CTA per compute SM, one per token
-  cubins = [(cubin_dir / f"trivial_role{r}.cubin").read_bytes() for r in (1, 2, 3)]
-  table = np.ascontiguousarray(reference.silu_table())
-  err = ctypes.create_string_buffer(512)
-  rc = lib.gcmoe_register_variant(b"trivial", config, 5, launch, cubins[0], len(cubins[0]), cubins[1], len(cubins[1]),
-                                  cubins[2], len(cubins[2]), table.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
-                                  ctypes.c_int64(65536), err, 512)
-  if rc != 0:
-    raise RuntimeError(err.value.decode())
+  # Grids: 1, one CTA per compute SM, one per token (0 = the runtime's choice).
+  _cuda.register_raw("trivial", (t, 6, 10**9, ws.total, ws.silu_table), (1, 32, 0, 0, 32, 0, 0, 32, 0),
+                     [(cubin_dir / f"trivial_role{r}.cubin").read_bytes() for r in (1, 2, 3)], reference.silu_table())
   rng = np.random.default_rng(0)
   w = formats.quantize_experts(rng.standard_normal((e, h, 2 * i)).astype(np.float32),
                                rng.standard_normal((e, i, h)).astype(np.float32))

@@ -50,26 +50,41 @@ def capacity_for(tokens: int) -> int:
                    f"rank), got T = {tokens}; split the batch or use backend='cpu'/'reference'")
 
 
+def register_raw(key: str, config: tuple[int, ...], launch: tuple[int, ...], cubins: list[bytes],
+                 silu: np.ndarray) -> None:
+  """``gcmoe_register_variant`` with typed arguments (ctypes passes untyped Python ints as 32-bit C ints).
+
+  Args:
+    key: the variant key (the ``variant`` attribute of calls that use it).
+    config: (capacity, dispatch SMs, timeout ns, workspace bytes, silu table offset).
+    launch: (grid, block, dynamic SMEM) of roles 1, 2, 3; grid 0 is the runtime's choice.
+    cubins: the three role cubins. silu: the float32 table of `reference.silu_table`.
+  """
+  lib = _library.library()
+  if lib is None:
+    raise RuntimeError(f"gcmoe_jax FFI: {_library.library_info().error}")
+  fn = lib.gcmoe_register_variant
+  fn.restype = ctypes.c_int
+  fn.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_int, ctypes.POINTER(ctypes.c_uint32),
+                 ctypes.c_char_p, ctypes.c_int64, ctypes.c_char_p, ctypes.c_int64, ctypes.c_char_p, ctypes.c_int64,
+                 ctypes.POINTER(ctypes.c_float), ctypes.c_int64, ctypes.c_char_p, ctypes.c_int]
+  silu = np.ascontiguousarray(silu, np.float32)
+  error = ctypes.create_string_buffer(1024)
+  rc = fn(key.encode(), (ctypes.c_int64 * len(config))(*config), len(config), (ctypes.c_uint32 * 9)(*launch),
+          cubins[0], len(cubins[0]), cubins[1], len(cubins[1]), cubins[2], len(cubins[2]),
+          silu.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), silu.size, error, len(error))
+  if rc != 0:
+    raise RuntimeError(f"gcmoe_jax: registering kernel variant {key} failed: {error.value.decode()}")
+
+
 @functools.lru_cache(maxsize=None)
 def _register(arch: str, variant: build.Variant, dispatch_sms: int, timeout_ns: int) -> str:
   built = build.load_or_build(arch, variant)
   ws = variant.workspace()
   key = f"{build.cache_key(arch, variant)}:d{dispatch_sms}:t{timeout_ns}"
-  lib = _library.library()
-  if lib is None:
-    raise RuntimeError(f"gcmoe_jax FFI: {_library.library_info().error}")
-  config = (ctypes.c_int64 * 5)(variant.capacity, dispatch_sms, timeout_ns, ws.total, ws.silu_table)
-  launch = (ctypes.c_uint32 * 9)(*(v for r in (1, 2, 3) for v in built.launch(r)))
-  cubins = [built.cubin(r) for r in (1, 2, 3)]
-  table = np.ascontiguousarray(reference.silu_table(), np.float32)
-  error = ctypes.create_string_buffer(1024)
-  fn = lib.gcmoe_register_variant
-  fn.restype = ctypes.c_int
-  rc = fn(key.encode(), config, 5, launch, cubins[0], len(cubins[0]), cubins[1], len(cubins[1]), cubins[2],
-          len(cubins[2]), table.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), ctypes.c_int64(table.size), error,
-          len(error))
-  if rc != 0:
-    raise RuntimeError(f"gcmoe_jax: registering kernel variant {key} failed: {error.value.decode()}")
+  register_raw(key, (variant.capacity, dispatch_sms, timeout_ns, ws.total, ws.silu_table),
+               tuple(v for r in (1, 2, 3) for v in built.launch(r)), [built.cubin(r) for r in (1, 2, 3)],
+               reference.silu_table())
   return key
 
 
@@ -89,6 +104,7 @@ def graph_instantiations() -> int:
   """CUDA graphs instantiated in this process so far (one per call site, device and T; never per call)."""
   lib = _library.library()
   fn = lib.gcmoe_graph_instantiations
+  fn.argtypes = []
   fn.restype = ctypes.c_int64
   return int(fn())
 
