@@ -5,6 +5,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <cstring>
 #include <string>
 
 #include "common.h"
@@ -34,9 +35,18 @@ LoadResult Load() {
     r.error = "the CUDA driver has no cuGetProcAddress_v2 (driver older than CUDA 12.0)";
     return r;
   }
+  // cuGetProcAddress returns the newest ABI of a name up to the requested version. Two names gained a new signature
+  // under the same name while cuda.h keeps declaring the old one (cudaTypedefs.h: PFN_cuStreamGetCtx_v12050 takes a
+  // third argument, PFN_cuCtxGetDevice_v13000 a second): ask for the version whose signature the header declares.
+  auto version_of = [](const char* name) {
+    if (std::strcmp(name, "cuStreamGetCtx") == 0) return 9020;
+    if (std::strcmp(name, "cuCtxGetDevice") == 0) return 2000;
+    return CUDA_VERSION;
+  };
   auto resolve = [&](const char* name, void** fn) {
     CUdriverProcAddressQueryResult status;
-    if (get_proc(name, fn, CUDA_VERSION, CU_GET_PROC_ADDRESS_DEFAULT, &status) != CUDA_SUCCESS || *fn == nullptr) {
+    if (get_proc(name, fn, version_of(name), CU_GET_PROC_ADDRESS_DEFAULT, &status) != CUDA_SUCCESS ||
+        *fn == nullptr) {
       r.error = std::string("the CUDA driver has no ") + name;
       return false;
     }
