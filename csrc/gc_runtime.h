@@ -114,6 +114,7 @@ class Runtime {
   float clamp_ = 0.0f;
   void* param_ptrs_[kNumPointerParams + 2] = {};
   int32_t stall_applied_ = -1;
+  bool exec_params_set_ = false;  // the instantiated graph's nodes hold ptrs_
 };
 
 // Test hooks and counters, reachable through ctypes.
