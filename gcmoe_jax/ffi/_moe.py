@@ -159,6 +159,8 @@ def moe_call(x: jax.Array, w: ExpertWeights, ids: jax.Array, weights: jax.Array,
   if clamp is not None and not math.isfinite(clamp):
     raise ValueError(f"moe: clamp must be finite, got {clamp}")
   kw = {}
+  if backend == "cuda" and x.shape[0] == 0:
+    return jnp.zeros((0, w.hidden), jnp.bfloat16)  # nothing to launch (the CPU handler takes T = 0 itself)
   if backend == "cuda":
     e, h, i, i_s, group = w.config
     kw = {"variant": _cuda.prepare(h, i, e, int(ids.shape[1]), int(x.shape[0]), i_s or 0, group or 0),
