@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gcmoe_jax import ffi, reference
+from gcmoe_jax import ffi, reference, sharding
 from gcmoe_jax._support import Support
 from gcmoe_jax.formats import ExpertWeights
 
@@ -187,8 +187,25 @@ def _reference_jit(x, w, ids, weights, clamp):
   return jnp.where(bad, jnp.asarray(jnp.nan, y.dtype), y)
 
 
+def _local_reference(x, w, ids, weights, *, clamp):
+  return reference.moe_emulated(x, w, ids, weights, clamp=clamp)
+
+
+def _local_cpu(x, w, ids, weights, *, clamp):
+  return ffi.moe_call(x, w, ids, weights, clamp=clamp, backend="cpu")
+
+
+def _local_cuda(x, w, ids, weights, *, clamp):
+  return ffi.moe_call(x, w, ids, weights, clamp=clamp, backend="cuda")
+
+
+# The per-rank grouped op of each backend for expert parallelism (module-level: they are static arguments).
+_LOCAL_FNS = {"reference": _local_reference, "cpu": _local_cpu, "cuda": _local_cuda}
+
+
 def moe(x: jax.Array, w: ExpertWeights, routes: Routes, *, clamp: float | None = None,
-        backend: str = "auto") -> jax.Array:
+        backend: str = "auto", axis_name: str | None = None, ep_axis: str | None = None,
+        transport: str = "collective", capacity: int | None = None) -> jax.Array:
   """The GC-MoE operator: routed MXFP4 experts (and the optional shared expert) applied to FP8 activations.
 
   Computes DESIGN §2 (docs/semantics.md): per token, MXFP8 activations, the gate/up GEMM, clamped SwiGLU, the
@@ -200,6 +217,13 @@ def moe(x: jax.Array, w: ExpertWeights, routes: Routes, *, clamp: float | None =
     routes: `Routes` with int32 ids ``[T, k]`` (ids < 0: padding) and float32 weights ``[T, k]``.
     clamp: SwiGLU clamp c (``silu(min(g, c)) * clip(u, -c, c)``), or None for no clamp.
     backend: ``"auto"`` (the fastest available, see `explain`), ``"cuda"``, ``"cpu"`` or ``"reference"``.
+    axis_name: inside `jax.shard_map`: the mesh axis the experts (and tokens) are split over; ``x`` and ``routes``
+      are this rank's tokens, ``w`` this rank's E/R experts, and ``routes.ids`` global expert ids
+      (docs/expert_parallel.md).
+    ep_axis: under `jax.jit` on sharded global arrays: the mesh axis of the experts and tokens; XLA partitions
+      the op into the per-rank program without gathering x, the routes or the weights.
+    transport: expert-parallel transport, ``"collective"`` (all_to_all) or ``"ragged"`` (GPU only).
+    capacity: expert-parallel rows per peer (default: no overflow possible); overflow poisons tokens with NaN.
 
   Returns:
     bfloat16 ``[T, H]``.
@@ -215,6 +239,14 @@ def moe(x: jax.Array, w: ExpertWeights, routes: Routes, *, clamp: float | None =
     raise RuntimeError(f"moe: backend={backend!r} cannot run here: {dict(explanation.reasons)[backend].reason}")
   ids, weights = routes.ids, routes.weights.astype(jnp.float32)
   clamp = None if clamp is None else float(clamp)
+  if axis_name is not None and ep_axis is not None:
+    raise ValueError(f"moe: pass axis_name (inside shard_map) or ep_axis (sharded global arrays), not both; got "
+                     f"axis_name={axis_name!r}, ep_axis={ep_axis!r}")
+  ep = {"local_fn": _LOCAL_FNS[chosen], "clamp": clamp, "transport": transport, "capacity": capacity}
+  if axis_name is not None:
+    return sharding.moe_shard_map_body(x, w, ids, weights, axis_name=axis_name, **ep)
+  if ep_axis is not None:
+    return sharding.moe_partitioned(x, w, ids, weights, axis=ep_axis, **ep)
   if chosen == "reference":
     return _reference_jit(x, w, ids, weights, clamp)
   return ffi.moe_call(x, w, ids, weights, clamp=clamp, backend=chosen)
