@@ -127,14 +127,17 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--batch", type=int, default=4, help="sequences decoded together = tokens per MoE call (default 4)")
   ap.add_argument("--prompt", type=int, default=4, help="prompt length (random tokens, default 4)")
   ap.add_argument("--backend", default="auto", choices=gm.BACKENDS, help="gcmoe_jax.moe backend (default auto)")
-  ap.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (only 1 for now)")
+  ap.add_argument("--ep", type=int, default=1,
+                  help="expert-parallel ranks: split the experts and the batch over an N-device mesh axis 'ep' "
+                       "(on CPU, N host devices are created); --batch must be divisible by N")
   ap.add_argument("--seed", type=int, default=0)
   args = ap.parse_args(argv)
-  if args.ep != 1:
-    # TODO(issue 8): build an `ep` mesh of --ep devices, shard each MoE's QuantizedParam over it and run the layer
-    # under shard_map (DESIGN §1, §6) once gcmoe_jax exposes a public expert-parallel entry point.
-    print(f"decode.py: --ep {args.ep} is not yet supported: expert parallelism lands with issue 8", file=sys.stderr)
+  if args.ep < 1 or args.batch % args.ep:
+    print(f"decode.py: --ep must be >= 1 and divide --batch = {args.batch}, got {args.ep}", file=sys.stderr)
     return 2
+  if args.ep > 1:
+    # Before any backend starts: lets a CPU-only machine run an N-device mesh (no effect on GPU platforms).
+    jax.config.update("jax_num_cpu_devices", max(args.ep, 1))
   for name in ("steps", "layers", "batch", "prompt"):
     if getattr(args, name) < 1:
       print(f"decode.py: --{name} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
@@ -150,6 +153,14 @@ def main(argv: list[str] | None = None) -> int:
   t0 = time.perf_counter()
   model = MoETransformer(vocab=vocab, dim=dim, heads=heads, layers=args.layers, max_len=max_len, experts=experts,
                          intermediate=intermediate, top_k=top_k, backend=args.backend, rngs=nnx.Rngs(args.seed))
+  if args.ep > 1:
+    if len(jax.devices()) < args.ep:
+      print(f"decode.py: --ep {args.ep} needs {args.ep} devices, got {len(jax.devices())}", file=sys.stderr)
+      return 2
+    mesh = jax.make_mesh((args.ep,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:args.ep])
+    for block in model.blocks:
+      block.moe.shard(mesh)  # experts split over 'ep'; tokens follow inside gm.moe(..., ep_axis='ep')
   graphdef, state = nnx.split(model)
   shape = (args.batch, max_len, heads, dim // heads)
   caches = tuple((jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16)) for _ in range(args.layers))
@@ -165,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
   print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}")
   print(explanation)
   print(f"model: {args.layers} layers, d={dim}, {heads} heads, vocab {vocab}; MoE E={experts} top-{top_k} "
-        f"I={intermediate} + shared expert, sigmoid routing")
+        f"I={intermediate} + shared expert, sigmoid routing"
+        + (f"; expert parallel over {args.ep} devices ({experts // args.ep} experts each)" if args.ep > 1 else ""))
   print(f"build + compile: {t_compile:.1f} s")
   print(f"first sequence: {seq[0].tolist()}")
   print(f"decoded {args.steps} steps x batch {args.batch} in {elapsed:.3f} s (prompt {args.prompt} fed in the same "

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gcmoe_jax import api, formats
+from gcmoe_jax import api, formats, sharding
 from gcmoe_jax.formats import ExpertWeights
 
 __all__ = ["SCORES", "MoE", "QuantizedParam", "RouterBias"]
@@ -176,6 +176,22 @@ class MoE(nnx.Module):
     self.routed_scaling_factor = float(routed_scaling_factor)
     self.clamp = None if clamp is None else float(clamp)
     self.backend = backend
+    self.ep_axis: str | None = None  # set by `shard`: the mesh axis the experts are split over
+
+  def shard(self, mesh: jax.sharding.Mesh, axis: str = "ep") -> MoE:
+    """Splits the routed experts over mesh axis ``axis`` (shared expert replicated) and runs expert-parallel.
+
+    Calls then go through `gcmoe_jax.moe(..., ep_axis=axis)` under `jax.jit`: tokens split over the same axis,
+    routes sent to their experts' ranks with all_to_all (docs/expert_parallel.md). E and the token count must be
+    divisible by the axis size.
+
+    Returns:
+      self.
+    """
+    w = self.weights
+    self.experts.value = jax.device_put(w, sharding.expert_shardings(w, mesh, axis=axis))
+    self.ep_axis = axis
+    return self
 
   # ---------------------------------------------------------------------------------------------------------------
   # Constructors
@@ -309,7 +325,8 @@ class MoE(nnx.Module):
     if x.shape[-1] != self.hidden:
       raise ValueError(f"MoE: x.shape[-1] must equal H = {self.hidden}, got {x.shape[-1]}")
     tokens = x.reshape(-1, x.shape[-1])
-    y = api.moe(tokens, self.weights, self.route(tokens), clamp=self.clamp, backend=self.backend)
+    y = api.moe(tokens, self.weights, self.route(tokens), clamp=self.clamp, backend=self.backend,
+                ep_axis=self.ep_axis)
     return y.reshape(x.shape)
 
 

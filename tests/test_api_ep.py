@@ -64,3 +64,15 @@ def test_axis_name_and_ep_axis_together_is_an_error(problem):
   x, w, r, _ = problem
   with pytest.raises(ValueError, match="moe: pass axis_name .* or ep_axis .*, not both"):
     gm.moe(x, w, r, axis_name="ep", ep_axis="ep")
+
+
+@pytest.mark.parametrize("tokens, experts", [(R, 8), (8, R), (R, R)], ids=["one-token-per-rank", "one-expert-per-rank",
+                                                                          "one-of-each"])
+def test_ep_axis_with_one_token_or_expert_per_rank(tokens, experts):
+  """Shardy rejects compound dimensions with a size-1 factor: the rule must drop them."""
+  shape = dataclasses.replace(SHAPE, tokens=tokens, experts=experts, top_k=2)
+  x, w, r = quantized(make_problem("default", shape, seed=32))
+  want = jax.jit(reference.moe_emulated, static_argnames="clamp")(x, w, r.ids, r.weights, clamp=10.0)
+  f = jax.jit(lambda x, w, ids, wt: gm.moe(x, w, gm.Routes(ids, wt), clamp=10.0, backend="reference", ep_axis="ep"))
+  y = f(*_placed(_mesh(), x, w, r))
+  np.testing.assert_array_equal(np.asarray(y).view(np.uint16), np.asarray(want).view(np.uint16))

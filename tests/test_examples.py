@@ -27,7 +27,16 @@ def test_decode_prints_tokens_per_second_and_backend():
   assert re.search(r"first sequence: \[(\d+, ){6}\d+\]", p.stdout)  # prompt 4 + 3 generated
 
 
-def test_decode_refuses_expert_parallelism_for_now():
-  p = _run("--ep", "2")
+def test_decode_rejects_an_ep_that_does_not_divide_the_batch():
+  p = _run("--ep", "3")
   assert p.returncode == 2
-  assert "decode.py: --ep 2 is not yet supported: expert parallelism lands with issue 8" in p.stderr
+  assert "decode.py: --ep must be >= 1 and divide --batch = 4, got 3" in p.stderr
+
+
+def test_decode_with_expert_parallelism_matches_one_device():
+  """--ep 4 splits the experts and the batch over 4 host devices; greedy decoding must pick the same tokens."""
+  one, four = _run("--steps", "3", "--layers", "1"), _run("--steps", "3", "--layers", "1", "--ep", "4")
+  assert one.returncode == 0 and four.returncode == 0, four.stderr[-2000:]
+  first = [line for line in one.stdout.splitlines() if line.startswith("first sequence")]
+  assert first and first == [line for line in four.stdout.splitlines() if line.startswith("first sequence")]
+  assert "expert parallel over 4 devices" in four.stdout

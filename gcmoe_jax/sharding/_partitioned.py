@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from typing import Any
 
 import jax
@@ -126,15 +127,29 @@ def _sharding_rule(st: _Static, mesh, operand_types, result_types):
   r = _ranks(st, mesh)
   tokens = int(operand_types[0].shape[0])
   _check_divisible(st.num_experts, tokens, st.axis, r)  # Shardy calls this first, before `_partition`
-  operands = ["(r b) h", "(r b) k", "(r b) k", "(r l) hb n c", "(r l) n hb", "(r l) ib h c", "(r l) h ib"]
+  sizes = {"r": r, "b": tokens // r, "l": st.num_experts // r}
+  # Shardy rejects a compound dimension with a factor of size 1 (one token or one expert per rank, or R = 1).
+  kept = [f for f in ("r", "b", "l") if sizes[f] > 1] or ["r"]
+
+  def lead(f: str) -> str:
+    parts = [g for g in ("r", f) if g in kept]
+    return parts[0] if len(parts) == 1 else f"({' '.join(parts)})" if parts else f
+
+  tok, exp = lead("b"), lead("l")
+  operands = [f"{tok} h", f"{tok} k", f"{tok} k", f"{exp} hb n c", f"{exp} n hb", f"{exp} ib h c", f"{exp} h ib"]
   if st.shared is not None:
     operands += ["hb sn sc", "sn sg", "sb h sc", "h sg2"]
-  rule = ", ".join(operands) + " -> (r b) h, s"
+  rule = ", ".join(operands) + f" -> {tok} h, s"
   # Every factor but r is never split. Listed in order of first appearance: Shardy requires the special factors'
   # indices sorted, and JAX numbers factors in that order.
-  replicated = tuple(dict.fromkeys(f for f in rule.replace("(", " ").replace(")", " ").replace(",", " ").split()
-                                   if f not in ("r", "->")))
-  return rule, {"need_replication_factors": replicated, "r": r, "b": tokens // r, "l": st.num_experts // r}
+  factors = rule.replace("(", " ").replace(")", " ").replace(",", " ").split()
+  replicated = tuple(dict.fromkeys(f for f in factors if f not in ("r", "->")))
+  # Sizes are given only for factors that appear solely inside compound dimensions: Shardy infers the others, and
+  # rejects a size for a factor that is a whole dimension anywhere.
+  compound = set(" ".join(re.findall(r"\(([^)]*)\)", rule)).split())
+  whole = set(re.sub(r"\([^)]*\)", " ", rule).replace(",", " ").split())
+  return rule, {"need_replication_factors": replicated,
+                **{f: sizes[f] for f in ("r", "b", "l") if f in compound and f not in whole}}
 
 
 _moe_cp.def_partition(
