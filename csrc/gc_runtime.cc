@@ -43,6 +43,21 @@ class RelaxedCaptureMode {
   bool ok_ = false;
 };
 
+// Makes `ctx` current for the scope (the driver calls below act on the current context).
+class ScopedContext {
+ public:
+  ScopedContext(const CudaDriver& cu, CUcontext ctx) : cu_(cu), status_(cu.cuCtxPushCurrent(ctx)) {}
+  ~ScopedContext() {
+    CUcontext popped;
+    if (status_ == CUDA_SUCCESS) cu_.cuCtxPopCurrent(&popped);
+  }
+  CUresult status() const { return status_; }
+
+ private:
+  const CudaDriver& cu_;
+  CUresult status_;
+};
+
 }  // namespace
 
 #define GCMOE_CU(expr)                                                     \
@@ -84,14 +99,8 @@ std::string Runtime::Init(std::shared_ptr<const VariantSpec> spec, CUstream stre
            std::to_string(s.capacity);
   }
   GCMOE_CU(cu_.cuStreamGetCtx(stream, &primary_));
-  GCMOE_CU(cu_.cuCtxPushCurrent(primary_));
-  struct PopOnExit {
-    const CudaDriver& cu;
-    ~PopOnExit() {
-      CUcontext c;
-      cu.cuCtxPopCurrent(&c);
-    }
-  } pop{cu_};
+  ScopedContext current(cu_, primary_);
+  GCMOE_CU(current.status());
   GCMOE_CU(cu_.cuCtxGetDevice(&device_));
 
   // ---- Green contexts: ONE split call; the compute partition is the aligned group (eq. 5), dispatch the rest.
@@ -192,16 +201,7 @@ std::string Runtime::Init(std::shared_ptr<const VariantSpec> spec, CUstream stre
   ptrs_[12] = workspace_;
   GCMOE_CU(cu_.cuGraphCreate(&graph_, 0));
   for (int r = 0; r < kNumRoles; ++r) {
-    CUDA_KERNEL_NODE_PARAMS p{};
-    p.func = nullptr;  // must be null, or ctx is ignored (research/cuda_details.md §1.4)
-    p.kern = kernel_[r];
-    p.ctx = role_ctx_[r];
-    p.gridDimX = launch_[r].grid;
-    p.gridDimY = p.gridDimZ = 1;
-    p.blockDimX = launch_[r].block;
-    p.blockDimY = p.blockDimZ = 1;
-    p.sharedMemBytes = launch_[r].smem;
-    p.kernelParams = param_ptrs_;
+    const CUDA_KERNEL_NODE_PARAMS p = NodeParams(r);
     const CUgraphNode* deps = r == 2 ? node_ : nullptr;
     GCMOE_CU(cu_.cuGraphAddKernelNode(&node_[r], graph_, deps, r == 2 ? 2 : 0, &p));
   }
@@ -222,7 +222,8 @@ std::string Runtime::Init(std::shared_ptr<const VariantSpec> spec, CUstream stre
 }
 
 Runtime::~Runtime() {
-  if (primary_ != nullptr) cu_.cuCtxPushCurrent(primary_);
+  if (primary_ == nullptr) return;  // Init failed before it owned anything
+  ScopedContext current(cu_, primary_);
   if (exec_) cu_.cuGraphExecDestroy(exec_);
   if (graph_) cu_.cuGraphDestroy(graph_);
   for (CUlibrary lib : library_)
@@ -231,25 +232,26 @@ Runtime::~Runtime() {
   if (host_header_) cu_.cuMemFreeHost(host_header_);
   for (CUgreenCtx g : green_)
     if (g) cu_.cuGreenCtxDestroy(g);
-  if (primary_ != nullptr) {
-    CUcontext c;
-    cu_.cuCtxPopCurrent(&c);
-  }
+}
+
+CUDA_KERNEL_NODE_PARAMS Runtime::NodeParams(int r) {
+  CUDA_KERNEL_NODE_PARAMS p{};
+  p.func = nullptr;  // must be null, or ctx is ignored (research/cuda_details.md §1.4)
+  p.kern = kernel_[r];
+  p.ctx = role_ctx_[r];
+  p.gridDimX = launch_[r].grid;
+  p.gridDimY = p.gridDimZ = 1;
+  p.blockDimX = launch_[r].block;
+  p.blockDimY = p.blockDimZ = 1;
+  p.sharedMemBytes = launch_[r].smem;
+  p.kernelParams = param_ptrs_;
+  return p;
 }
 
 std::string Runtime::SetParams(const PointerParams& ptrs, bool exec) {
   for (int p = 0; p < kNumPointerParams; ++p) ptrs_[p] = p == 12 ? workspace_ : ptrs[p];
   for (int r = 0; r < kNumRoles; ++r) {
-    CUDA_KERNEL_NODE_PARAMS p{};
-    p.func = nullptr;
-    p.kern = kernel_[r];
-    p.ctx = role_ctx_[r];
-    p.gridDimX = launch_[r].grid;
-    p.gridDimY = p.gridDimZ = 1;
-    p.blockDimX = launch_[r].block;
-    p.blockDimY = p.blockDimZ = 1;
-    p.sharedMemBytes = launch_[r].smem;
-    p.kernelParams = param_ptrs_;
+    const CUDA_KERNEL_NODE_PARAMS p = NodeParams(r);
     if (exec) {
       GCMOE_CU(cu_.cuGraphExecKernelNodeSetParams(exec_, node_[r], &p));
     } else {
@@ -290,14 +292,8 @@ std::string Runtime::SyncAndCheck(CUstream stream) {
 }
 
 std::string Runtime::Execute(CUstream stream, const PointerParams& ptrs) {
-  GCMOE_CU(cu_.cuCtxPushCurrent(primary_));  // the synchronous test-hook copy below needs the device's context
-  struct PopOnExit {
-    const CudaDriver& cu;
-    ~PopOnExit() {
-      CUcontext c;
-      cu.cuCtxPopCurrent(&c);
-    }
-  } pop{cu_};
+  ScopedContext current(cu_, primary_);  // the synchronous test-hook copy below needs the device's context
+  GCMOE_CU(current.status());
   CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
   CUgraph capture_graph = nullptr;
   const CUgraphNode* deps = nullptr;

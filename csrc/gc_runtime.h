@@ -92,6 +92,7 @@ class Runtime {
   std::string Init(std::shared_ptr<const VariantSpec> spec, CUstream stream, int64_t tokens, float clamp);
   std::string CheckFault(CUstream stream);
   std::string SetParams(const PointerParams& ptrs, bool exec);
+  CUDA_KERNEL_NODE_PARAMS NodeParams(int role);  // role r's kernel node: kernel, green context, launch, params
 
   const CudaDriver& cu_;
   std::shared_ptr<const VariantSpec> spec_;
