@@ -20,20 +20,21 @@ def _emulate(p, **kw):
   return np.asarray(emulated(x, w, r.ids, r.weights, clamp=p.shape.clamp, **kw), np.float32)
 
 
+@pytest.mark.parametrize("normalize", [False, True], ids=["softmax-over-E", "renormalized"])
 @pytest.mark.parametrize("variant", ["routed", "shared"])
 @pytest.mark.parametrize("family", CASE_FAMILIES)
-def test_accuracy_against_bf16(family, variant):
+def test_accuracy_against_bf16(family, variant, normalize):
   shape = dataclasses.replace(SMALL, shared_intermediate=256 if variant == "shared" else None)
-  p = make_problem(family, shape, seed=3)
+  p = make_problem(family, shape, seed=3, normalize=normalize)
   y, y_ref = accuracy.evaluate(p)
   assert y.shape == (p.shape.tokens, 512)
   if p.shape.tokens == 0:
     return
   cos = accuracy.cosine(y, y_ref)
   bar = accuracy.THRESHOLDS[variant]
-  if variant == "shared" and p.shape.top_k == 1:
-    # One routed expert at full route weight carries half of the output's MXFP4 error: measured 0.987-0.988
-    # here (docs/accuracy.md). The paper's 0.99 bar holds for every family with k > 1.
+  if normalize and variant == "shared" and p.shape.top_k == 1:
+    # Renormalised k = 1 routing gives the one routed expert the full weight 1.0, so half of the output carries
+    # its MXFP4 error: 0.987-0.988 (docs/accuracy.md). With softmax-over-E weights, and for k > 1, 0.99 holds.
     bar = 0.985
   assert cos >= bar, f"{family=} {variant=}: cosine {cos:.6f} < {bar}"
 

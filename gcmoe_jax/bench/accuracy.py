@@ -62,14 +62,18 @@ def evaluate(p: Problem, *, backend: str = "reference") -> tuple[np.ndarray, np.
 
 
 def run(base: Shape = DEMO_SHAPE, families: tuple[str, ...] = CASE_FAMILIES, *, backend: str = "reference",
-        seed: int = 0) -> list[Result]:
-  """Runs every family with routed experts only and with the shared expert; one `Result` each."""
+        seed: int = 0, normalize: bool = False) -> list[Result]:
+  """Runs every family with routed experts only and with the shared expert; one `Result` each.
+
+  ``normalize``: the router convention of `problems.make_routes`. The default (False: the chosen experts'
+  probabilities under a softmax over all E experts) is the one under which the paper's figures reproduce.
+  """
   results = []
   for variant in ("routed", "shared"):
     shape = dataclasses.replace(base, shared_intermediate=(base.shared_intermediate or base.intermediate)
                                 if variant == "shared" else None)
     for family in families:
-      p = make_problem(family, shape, seed)
+      p = make_problem(family, shape, seed, normalize=normalize)
       y, y_ref = evaluate(p, backend=backend)
       diff = float(np.max(np.abs(y - y_ref))) if y.size else 0.0
       results.append(Result(family, variant, p.shape.tokens, p.shape.top_k, cosine(y, y_ref), diff,

@@ -1,7 +1,8 @@
 """Test and benchmark problems: random MoE layers and the paper's routing case families.
 
-Everything is random and seeded (never zeros): x ~ N(0, 1), weights ~ N(0, 1/fan_in), route weights a softmax
-over the chosen experts' random logits (so they sum to 1 per token, as top-k routers produce).
+Everything is random and seeded (never zeros): x ~ N(0, 1), weights ~ N(0, 1/fan_in), route weights from random
+router logits: renormalised over the k chosen experts by default, or (``normalize=False``) the chosen experts'
+probabilities under a softmax over all E experts.
 """
 
 from __future__ import annotations
@@ -62,9 +63,14 @@ def make_weights(rng: np.random.Generator, shape: Shape) -> tuple[np.ndarray, np
   return w13, w2, shared
 
 
-def make_routes(rng: np.random.Generator, family: str, tokens: int, experts: int, top_k: int
-                ) -> tuple[np.ndarray, np.ndarray]:
-  """Expert ids ``[T, k]`` int32 and softmax route weights ``[T, k]`` float32 for a case family."""
+def make_routes(rng: np.random.Generator, family: str, tokens: int, experts: int, top_k: int, *,
+                normalize: bool = True) -> tuple[np.ndarray, np.ndarray]:
+  """Expert ids ``[T, k]`` int32 and softmax route weights ``[T, k]`` float32 for a case family.
+
+  ``normalize``: the k weights sum to 1 (a softmax over the chosen experts' logits, GLM / DeepSeek-V3 routers), or,
+  when False, they are the chosen experts' probabilities under a softmax over all E experts (Qwen-MoE /
+  DeepSeek-V2 routers, the ones that pair routed experts with a shared expert).
+  """
   t, e, k = tokens, experts, top_k
   if family in ("default", "k_max", "padding"):
     ids = np.argsort(rng.random((t, e)), axis=1)[:, :k]
@@ -83,8 +89,13 @@ def make_routes(rng: np.random.Generator, family: str, tokens: int, experts: int
     ids = np.zeros((0, k))
   else:
     raise ValueError(f"make_routes: family must be one of {CASE_FAMILIES}, got {family!r}")
-  logits = rng.standard_normal(ids.shape)
-  weights = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True) if t else np.zeros((0, k))
+  if normalize:  # GLM / DeepSeek-V3 routers: the k weights renormalised to sum 1
+    logits = rng.standard_normal(ids.shape)
+  else:  # Qwen-MoE / DeepSeek-V2 routers: the chosen experts' probabilities under a softmax over all E experts
+    all_logits = rng.standard_normal((t, e))
+    logits = np.take_along_axis(all_logits, ids.astype(np.int64), axis=1) if t else np.zeros((0, k))
+  denom = np.exp(logits).sum(axis=1, keepdims=True) if normalize else np.exp(all_logits).sum(axis=1, keepdims=True)
+  weights = np.exp(logits) / denom if t else np.zeros((0, k))
   ids = ids.astype(np.int32)
   if family == "padding":
     ids[rng.random(ids.shape) < 0.3] = -1  # padding slots are dropped
@@ -102,11 +113,11 @@ def family_shape(family: str, base: Shape) -> Shape:
   return base
 
 
-def make_problem(family: str, base: Shape, seed: int = 0) -> Problem:
-  """A random problem of ``family`` at (a variant of) ``base``."""
+def make_problem(family: str, base: Shape, seed: int = 0, *, normalize: bool = True) -> Problem:
+  """A random problem of ``family`` at (a variant of) ``base`` (``normalize``: see `make_routes`)."""
   shape = family_shape(family, base)
   rng = np.random.default_rng(seed)
   w13, w2, shared = make_weights(rng, shape)
   x = rng.standard_normal((shape.tokens, shape.hidden)).astype(np.float32)
-  ids, weights = make_routes(rng, family, shape.tokens, shape.experts, shape.top_k)
+  ids, weights = make_routes(rng, family, shape.tokens, shape.experts, shape.top_k, normalize=normalize)
   return Problem(family, shape, x, w13, w2, shared, ids, weights)

@@ -20,9 +20,14 @@ def run(args: argparse.Namespace) -> int:
   from gcmoe_jax.bench.problems import DEMO_SHAPE
 
   shape = DEMO_SHAPE if args.tokens is None else dataclasses.replace(DEMO_SHAPE, tokens=args.tokens)
-  results = accuracy.run(shape, backend=args.backend, seed=args.seed)
   print(f"shape: E={shape.experts} H={shape.hidden} I={shape.intermediate} k={shape.top_k} T={shape.tokens} "
         f"clamp={shape.clamp}, shared Is={shape.shared_intermediate or shape.intermediate} group "
         f"{shape.shared_group}, backend {args.backend}, seed {args.seed}")
-  print(accuracy.to_markdown(results))
-  return 0 if all(r.ok for r in results) else 1
+  ok = True
+  for normalize, title in ((False, "router weights: the chosen experts' softmax probabilities over all E experts"),
+                           (True, "router weights: renormalised over the k chosen experts (sum 1)")):
+    results = accuracy.run(shape, backend=args.backend, seed=args.seed, normalize=normalize)
+    print(f"\n{title}\n")
+    print(accuracy.to_markdown(results))
+    ok = ok and all(r.ok for r in results if not (normalize and r.variant == "shared" and r.top_k == 1))
+  return 0 if ok else 1
