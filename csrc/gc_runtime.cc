@@ -132,6 +132,11 @@ std::string Runtime::Init(std::shared_ptr<const VariantSpec> spec, CUstream stre
   }
   partition_.compute_sms = groups[0].sm.smCount;
   partition_.dispatch_sms = rest.sm.smCount;
+  if (s.planned_compute_sms != 0 && s.planned_compute_sms != partition_.compute_sms) {
+    return "gcmoe_moe: the driver split the device into " + std::to_string(partition_.compute_sms) +
+           " compute SMs, but gcmoe_jax.geometry planned " + std::to_string(s.planned_compute_sms) +
+           " (device facts differ from the geometry's: check `python -m gcmoe_jax doctor`)";
+  }
   CUdevResourceDesc desc[2];
   GCMOE_CU(cu_.cuDevResourceGenerateDesc(&desc[0], &rest, 1));
   GCMOE_CU(cu_.cuDevResourceGenerateDesc(&desc[1], &groups[0], 1));
@@ -359,8 +364,8 @@ GCMOE_EXPORT int gcmoe_register_variant(const char* key, const int64_t* config, 
                                         const uint32_t* launch, const void* cubin1, int64_t size1,
                                         const void* cubin2, int64_t size2, const void* cubin3, int64_t size3,
                                         const float* silu_table, int64_t silu_entries, char* error, int error_size) {
-  if (num_config != 5 || silu_entries != 65536) {
-    CopyError("gcmoe_register_variant: expected 5 config values and 65536 silu entries, got " +
+  if ((num_config != 5 && num_config != 6) || silu_entries != 65536) {
+    CopyError("gcmoe_register_variant: expected 5 or 6 config values and 65536 silu entries, got " +
                   std::to_string(num_config) + " and " + std::to_string(silu_entries),
               error, error_size);
     return -1;
@@ -371,6 +376,7 @@ GCMOE_EXPORT int gcmoe_register_variant(const char* key, const int64_t* config, 
   spec->timeout_ns = static_cast<uint64_t>(config[2]);
   spec->ws_total = config[3];
   spec->ws_silu_table = config[4];
+  spec->planned_compute_sms = num_config > 5 ? config[5] : 0;
   const void* cubins[3] = {cubin1, cubin2, cubin3};
   const int64_t sizes[3] = {size1, size2, size3};
   for (int r = 0; r < gcmoe::kNumRoles; ++r) {

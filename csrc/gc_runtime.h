@@ -55,6 +55,7 @@ struct VariantSpec {
   int64_t dispatch_sms = 0;  // requested dispatch SMs (eq. 5); the compute group is the aligned rest
   uint64_t timeout_ns = 0;   // bound of every spin-wait
   int64_t ws_total = 0, ws_silu_table = 0;
+  int64_t planned_compute_sms = 0;  // the split gcmoe_jax.geometry planned (eq. 5); 0: not checked
   std::array<RoleSpec, kNumRoles> role;
   std::vector<float> silu_table;  // 65536 entries
 };

@@ -9,12 +9,13 @@ custom call, and the C++ instantiate stage finds the variant by it. Nothing here
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 
 import jax
 import numpy as np
 
-from gcmoe_jax import _config, reference
+from gcmoe_jax import _config, geometry, reference
 from gcmoe_jax._support import Support
 from gcmoe_jax.ffi import _library
 from gcmoe_jax.kernels import abi, build
@@ -42,6 +43,42 @@ def device_arch(device: jax.Device | None = None) -> Support:
   return Support(True, arch)
 
 
+@functools.lru_cache(maxsize=None)
+def device_facts(ordinal: int, arch: str) -> tuple[geometry.Device, str]:
+  """The geometry's facts about CUDA device ``ordinal``, read from the driver through ``cuda.bindings``.
+
+  Returns:
+    ``(device, source)``; without ``cuda.bindings`` (the ``cuda`` extra) the preset of the architecture, and the
+    source says so. The runtime re-reads the split from the driver and rejects a mismatch, so a preset cannot run
+    a wrong partition silently.
+  """
+  preset = geometry.H200 if arch == "sm_90a" else geometry.RTX_PRO_5000
+  try:
+    from cuda.bindings import driver as cu
+  except ImportError as e:
+    return preset, f"preset {preset.name} (cuda.bindings not importable: {e})"
+
+  def get(result):
+    err, *value = result
+    if err != cu.CUresult.CUDA_SUCCESS:
+      raise RuntimeError(f"gcmoe_jax: reading device facts failed: {err}")
+    return value[0] if len(value) == 1 else value
+
+  get(cu.cuInit(0))
+  dev = get(cu.cuDeviceGet(ordinal))
+  a = cu.CUdevice_attribute
+  attr = lambda name: int(get(cu.cuDeviceGetAttribute(getattr(a, name), dev)))
+  res = get(cu.cuDeviceGetDevResource(dev, cu.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM))
+  facts = dataclasses.replace(
+    preset, name=f"device {ordinal}", arch=arch, sm_count=attr("CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT"),
+    smem_per_sm=attr("CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR"),
+    smem_per_block=attr("CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN"),
+    regs_per_sm=attr("CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR"),
+    max_threads_per_sm=attr("CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR"),
+    gc_alignment=max(1, int(res.sm.smCoscheduledAlignment)), min_partition_sms=int(res.sm.minSmPartitionSize))
+  return facts, "cuda.bindings.driver"
+
+
 def capacity_for(tokens: int) -> int:
   for c in CAPACITIES:
     if tokens <= c:
@@ -56,7 +93,8 @@ def register_raw(key: str, config: tuple[int, ...], launch: tuple[int, ...], cub
 
   Args:
     key: the variant key (the ``variant`` attribute of calls that use it).
-    config: (capacity, dispatch SMs, timeout ns, workspace bytes, silu table offset).
+    config: (capacity, dispatch SMs requested, timeout ns, workspace bytes, silu table offset[, compute SMs the
+      geometry planned: the runtime rejects a driver split that differs; 0 or absent: not checked]).
     launch: (grid, block, dynamic SMEM) of roles 1, 2, 3; grid 0 is the runtime's choice.
     cubins: the three role cubins. silu: the float32 table of `reference.silu_table`.
   """
@@ -78,11 +116,11 @@ def register_raw(key: str, config: tuple[int, ...], launch: tuple[int, ...], cub
 
 
 @functools.lru_cache(maxsize=None)
-def _register(arch: str, variant: build.Variant, dispatch_sms: int, timeout_ns: int) -> str:
+def _register(arch: str, variant: build.Variant, dispatch_sms: int, compute_sms: int, timeout_ns: int) -> str:
   built = build.load_or_build(arch, variant)
   ws = variant.workspace()
-  key = f"{build.cache_key(arch, variant)}:d{dispatch_sms}:t{timeout_ns}"
-  register_raw(key, (variant.capacity, dispatch_sms, timeout_ns, ws.total, ws.silu_table),
+  key = f"{build.cache_key(arch, variant)}:d{dispatch_sms}:c{compute_sms}:t{timeout_ns}"
+  register_raw(key, (variant.capacity, dispatch_sms, timeout_ns, ws.total, ws.silu_table, compute_sms),
                tuple(v for r in (1, 2, 3) for v in built.launch(r)), [built.cubin(r) for r in (1, 2, 3)],
                reference.silu_table())
   return key
@@ -97,7 +135,13 @@ def prepare(hidden: int, intermediate: int, experts: int, top_k: int, tokens: in
   variant = build.Variant(hidden, intermediate, experts, top_k, capacity_for(tokens),
                           shared_intermediate or None, shared_group or None)
   timeout_ns = int(_config.get("GCMOE_WAIT_TIMEOUT_MS")) * 1_000_000
-  return _register(s.reason, variant, int(_config.get("GC_MOE_SM120_DISPATCH_SMS")), timeout_ns)
+  # The green-context split is the geometry's (eq. 5) for this device's facts; the runtime checks that the driver's
+  # split matches it.
+  facts, _ = device_facts(jax.devices()[0].id, s.reason)
+  partition, problems = geometry.split_sms(facts, int(_config.get("GC_MOE_SM120_DISPATCH_SMS")))
+  if problems:
+    raise ValueError("moe: the green-context split cannot run here: " + "; ".join(problems))
+  return _register(s.reason, variant, partition.dispatch_requested, partition.compute_sms, timeout_ns)
 
 
 def graph_instantiations() -> int:
