@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gcmoe_jax import formats
-from gcmoe_jax.formats import BLOCK, K_TILE, ExpertWeights, SharedWeights
+from gcmoe_jax.formats import BLOCK, ExpertWeights, SharedWeights
 
 __all__ = ["moe_emulated", "moe_bf16", "silu_table", "mxfp8"]
 

@@ -11,7 +11,6 @@ if "jax_num_cpu_devices" in jax.config.values:
 else:  # pragma: no cover - older jax
   os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from gcmoe_jax import api, formats

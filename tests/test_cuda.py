@@ -6,7 +6,6 @@ The figures it prints (cosine, max abs difference, exact share) are the ones rep
 """
 
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +16,7 @@ import gcmoe_jax as gm
 from conftest import SMALL, quantized
 from gcmoe_jax import ffi, reference
 from gcmoe_jax.bench import accuracy
-from gcmoe_jax.bench.problems import CASE_FAMILIES, Shape, make_problem
+from gcmoe_jax.bench.problems import CASE_FAMILIES, make_problem
 
 pytestmark = pytest.mark.gpu
 

@@ -18,7 +18,7 @@ import numpy as np
 from gcmoe_jax import _config, geometry, reference
 from gcmoe_jax._support import Support
 from gcmoe_jax.ffi import _library
-from gcmoe_jax.kernels import abi, build
+from gcmoe_jax.kernels import build
 
 # Token capacities the variants are built for: decode batches up to 256 tokens per rank (the paper's range).
 CAPACITIES = (8, 16, 64, 256)

@@ -21,7 +21,6 @@ import hashlib
 import importlib.metadata
 import json
 import logging
-import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from typing import Any
 import jax
 import jaxlib
 
-from gcmoe_jax import _compat
+from gcmoe_jax import _compat, _config
 from gcmoe_jax._support import Support
 
 LIBRARY_NAME = "libgcmoe_jax_ffi.so"
@@ -126,7 +125,7 @@ def _source_digest(csrc: Path) -> str | None:
 
 
 def _candidates() -> list[tuple[str, Path]]:
-  env = os.environ.get(ENV_LIBRARY)
+  env = _config.get(ENV_LIBRARY)
   if env:
     return [(f"${ENV_LIBRARY}", Path(env))]
   found = [("package directory", _PACKAGE_DIR / LIBRARY_NAME)]
@@ -197,8 +196,8 @@ def _load() -> LibraryInfo:
             "jaxlib_version": jaxlib.__version__, "runtime_ffi_api": runtime_api}
   if lib is None:
     unloadable = [f"{p} ({outcome})" for _, p, outcome in searched if outcome != "absent"]
-    if os.environ.get(ENV_LIBRARY):
-      error = f"${ENV_LIBRARY}={os.environ[ENV_LIBRARY]} is not a loadable library ({searched[-1][2]})"
+    if _config.get(ENV_LIBRARY):
+      error = f"${ENV_LIBRARY}={_config.get(ENV_LIBRARY)} is not a loadable library ({searched[-1][2]})"
     elif unloadable:
       error = "the gcmoe_jax FFI library was found but cannot be loaded: " + "; ".join(unloadable)
     else:

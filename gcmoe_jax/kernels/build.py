@@ -34,6 +34,7 @@ import tempfile
 import time
 from typing import Any
 
+from gcmoe_jax import _config
 from gcmoe_jax.kernels import abi
 
 __all__ = [
@@ -453,7 +454,7 @@ def load_or_build(arch: str, variant: Variant, *, cache_dir: str | os.PathLike |
   """
   _check_arch(arch)
   key = cache_key(arch, variant)
-  prebuilt = os.environ.get(CUBIN_DIR_ENV)
+  prebuilt = _config.get(CUBIN_DIR_ENV)
   if prebuilt:
     directory = pathlib.Path(prebuilt)
     meta = _read_meta(directory / key)
