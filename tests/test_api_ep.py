@@ -75,3 +75,31 @@ def test_ep_axis_with_one_token_or_expert_per_rank(tokens, experts):
   f = jax.jit(lambda x, w, ids, wt: gm.moe(x, w, gm.Routes(ids, wt), clamp=10.0, backend="reference", ep_axis="ep"))
   y = f(*_placed(_mesh(), x, w, r))
   np.testing.assert_array_equal(np.asarray(y).view(np.uint16), np.asarray(want).view(np.uint16))
+
+
+def test_output_is_split_like_the_tokens(problem):
+  x, w, r, _ = problem
+  mesh = _mesh()
+  f = jax.jit(lambda x, w, ids, wt: gm.moe(x, w, gm.Routes(ids, wt), clamp=10.0, backend="reference", ep_axis="ep"))
+  y = f(*_placed(mesh, x, w, r))
+  assert y.sharding.is_equivalent_to(NamedSharding(mesh, P("ep")), y.ndim), y.sharding
+
+
+def test_an_ep_axis_missing_from_the_mesh_is_an_error(problem):
+  x, w, r, _ = problem
+  f = jax.jit(lambda x, w, ids, wt: gm.moe(x, w, gm.Routes(ids, wt), backend="reference", ep_axis="tp"))
+  with pytest.raises(ValueError, match=r"moe: ep_axis must name an axis of the mesh \('ep',\), got 'tp'"):
+    f(*_placed(_mesh(), x, w, r))
+
+
+def test_the_flax_module_sharded_over_8_devices_equals_one_device():
+  from flax import nnx
+
+  from gcmoe_jax import nn as gnn
+  layer = gnn.MoE(512, 256, 8, 2, rngs=nnx.Rngs(0), shared_intermediate=256, clamp=10.0, backend="reference")
+  x = jax.random.normal(jax.random.key(1), (16, 512)).astype("bfloat16")
+  want = nnx.jit(lambda m, x: m(x))(layer, x)
+  mesh = jax.make_mesh((8,), ("ep",), axis_types=(AxisType.Auto,), devices=jax.devices("cpu")[:8])
+  layer.shard(mesh)
+  y = nnx.jit(lambda m, x: m(x))(layer, jax.device_put(x, NamedSharding(mesh, P("ep"))))
+  np.testing.assert_array_equal(np.asarray(y).view(np.uint16), np.asarray(want).view(np.uint16))

@@ -75,7 +75,11 @@ _moe_cp = custom_partitioning(_global, static_argnums=(0,))
 
 
 def _ranks(st: _Static, mesh) -> int:
-  return int(dict(mesh.shape).get(st.axis, 1))
+  shape = dict(mesh.shape)
+  if shape and st.axis not in shape:
+    # Running unsharded here would gather x, the routes and the experts onto every device: refuse instead.
+    raise ValueError(f"moe: ep_axis must name an axis of the mesh {tuple(shape)}, got {st.axis!r}")
+  return int(shape.get(st.axis, 1))
 
 
 def _check_divisible(num_experts: int, tokens: int, axis: str, r: int) -> None:
