@@ -203,6 +203,9 @@ def moe_partitioned_with_stats(x: jax.Array, w: ExpertWeights, ids: jax.Array, w
     ``(y, stats)``: y bfloat16 ``[T, H]``; stats int32 scalars (replicated).
   """
   _check_args(x, w, ids, weights, local_fn, axis, transport, capacity)
+  if x.shape[0] == 0:  # nothing to route; Shardy cannot describe a zero-sized token factor
+    zero = jnp.zeros((), jnp.int32)
+    return jnp.zeros((0, w.hidden), jnp.bfloat16), EPStats(zero, zero, zero)
   shared = None if w.shared is None else (w.shared.intermediate, w.shared.group)
   st = _Static(local_fn, None if clamp is None else float(clamp), axis, transport,
                None if capacity is None else int(capacity), w.num_experts,
