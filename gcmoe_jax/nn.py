@@ -189,7 +189,7 @@ class MoE(nnx.Module):
       self.
     """
     w = self.weights
-    self.experts.value = jax.device_put(w, sharding.expert_shardings(w, mesh, axis=axis))
+    self.experts = QuantizedParam(jax.device_put(w, sharding.expert_shardings(w, mesh, axis=axis)))
     self.ep_axis = axis
     return self
 
