@@ -118,3 +118,28 @@ def test_shared_expert_size_mismatch_is_rejected():
   _, w, _ = quantized(p)
   with pytest.raises(ValueError, match="ExpertWeights: shared expert hidden size must equal H = 1024, got 512"):
     gm.ExpertWeights(w.w13, w.w13_scale, w.w2, w.w2_scale, w.shared, 8, 1024, 256)
+
+
+@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")  # the output [T, H] aliases none of them
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_donated_and_strided_inputs_give_the_oracle(args, backend):
+  """Donated buffers and strided views (XLA materialises them) change nothing in the result."""
+  if not gm.api.backend_support()[backend].ok:
+    pytest.skip(gm.api.backend_support()[backend].reason)
+  x, w, r = args
+  want = np.asarray(jax.jit(reference.moe_emulated, static_argnames="clamp")(x, w, r.ids, r.weights, clamp=10.0))
+  donating = jax.jit(lambda x, ids, wt: gm.moe(x, w, gm.Routes(ids, wt), clamp=10.0, backend=backend),
+                     donate_argnums=(0, 1, 2))
+  y = donating(jnp.array(x), jnp.array(r.ids), jnp.array(r.weights))
+  np.testing.assert_array_equal(np.asarray(y).view(np.uint16), want.view(np.uint16))
+  doubled = jnp.repeat(x, 2, axis=0)[::2]  # every other row of a larger buffer
+  y = gm.moe(doubled, w, r, clamp=10.0, backend=backend)
+  np.testing.assert_array_equal(np.asarray(y).view(np.uint16), want.view(np.uint16))
+
+
+def test_cuda_token_capacity_is_a_clear_error():
+  from gcmoe_jax.ffi import _cuda
+  assert _cuda.capacity_for(1) == 8 and _cuda.capacity_for(9) == 16 and _cuda.capacity_for(256) == 256
+  with pytest.raises(ValueError, match=r"the CUDA backend runs decode batches of at most 256 tokens per call .* "
+                                       r"got T = 257"):
+    _cuda.capacity_for(257)
