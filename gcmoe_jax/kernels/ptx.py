@@ -1,0 +1,175 @@
+"""The PTX pipeline of paper §5.1: rewrites between CuTe DSL's PTX and ``ptxas``, and validation before assembly.
+
+CuTe DSL emits PTX for the ISA of its bundled NVVM; the ``ptxas`` that assembles it may be older (the GPU machine's
+CUDA 13.0 ``ptxas`` rejects ``.version 9.4``: DESIGN §5). Each rewrite here changes one directive and asserts that it
+matched exactly once, so a compiler change that moves or duplicates a directive fails the build instead of producing
+a silently different kernel. Validation checks the entry's formal parameters (count, order, types) against the
+kernel ABI and that the instructions a role is built around are still in the PTX; a lost feature fails the build
+with a message naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from gcmoe_jax import geometry
+from gcmoe_jax.kernels import abi
+
+__all__ = ["PtxError", "PTX_ISA_OF_RELEASE", "assemble", "ptxas_release", "rewrite_max_registers",
+           "rewrite_min_ctas", "rewrite_version", "validate"]
+
+# The PTX ISA version each CUDA release's ptxas accepts at most (PTX ISA release notes).
+PTX_ISA_OF_RELEASE = {
+  (12, 8): "8.7", (12, 9): "8.8", (13, 0): "9.0", (13, 1): "9.1", (13, 2): "9.2", (13, 3): "9.3", (13, 4): "9.4",
+}
+# What role 2 of the fast kernels must contain on each architecture (§5.1): the block-scaled QMMA and the bulk tensor
+# copy on SM120; FP8 wgmma and the bulk tensor copy on Hopper.
+ROLE2_FEATURES = {
+  "sm_120a": ("mma.sync.aligned.kind::mxf8f6f4", "cp.async.bulk.tensor"),
+  "sm_90a": ("wgmma.mma_async", "cp.async.bulk.tensor"),
+}
+# The ABI's parameter types in PTX (13 pointers, then tokens and clamp).
+ABI_PARAM_TYPES = (".u64",) * abi.NUM_POINTER_PARAMS + (".u32", ".f32")
+
+_VERSION_RE = re.compile(r"^\.version\s+(\d+\.\d+)\s*$", re.M)
+_ENTRY_RE = re.compile(r"\.entry\s+(\w+)\s*\((.*?)\)", re.S)
+_PARAM_TYPE_RE = re.compile(r"\.param\s+(?:\.align\s+\d+\s+)?(\.[usbf]\d+)")
+
+
+class PtxError(RuntimeError):
+  """A rewrite that did not match exactly once, or a PTX module that lost a required feature."""
+
+
+def _replace_once(ptx: str, pattern: re.Pattern, repl: str, what: str) -> str:
+  out, n = pattern.subn(repl, ptx)
+  if n != 1:
+    raise PtxError(f"ptx: the {what} rewrite must match exactly once, matched {n} times")
+  return out
+
+
+def rewrite_version(ptx: str, version: str) -> str:
+  """Sets ``.version`` to ``version`` (e.g. "9.0"): the ISA the target ptxas accepts (§5.1)."""
+  if not re.fullmatch(r"\d+\.\d+", version):
+    raise ValueError(f"rewrite_version: version must look like '9.0', got {version!r}")
+  return _replace_once(ptx, _VERSION_RE, f".version {version}", ".version")
+
+
+def _entry_directive(ptx: str, entry: str, directive: str, value: str) -> str:
+  """Replaces (or adds after the parameter list) ``directive value`` of ``entry``; exactly one entry must match."""
+  m = re.search(rf"(\.entry\s+{re.escape(entry)}\s*\(.*?\))(.*?)(\{{)", ptx, re.S)
+  if m is None:
+    raise PtxError(f"ptx: entry {entry!r} not found")
+  head, directives = m.group(1), m.group(2)
+  existing = re.findall(rf"^\s*{re.escape(directive)}\s+\d+\s*$", directives, re.M)
+  if len(existing) > 1:
+    raise PtxError(f"ptx: entry {entry!r} declares {directive} {len(existing)} times")
+  if existing:
+    directives = re.sub(rf"^(\s*){re.escape(directive)}\s+\d+\s*$", rf"\g<1>{directive} {value}", directives, flags=re.M)
+  else:
+    directives = directives.rstrip("\n") + f"\n{directive} {value}\n"
+  return ptx[:m.start()] + head + directives + ptx[m.start(3):]
+
+
+def rewrite_min_ctas(ptx: str, entry: str, ctas: int) -> str:
+  """Sets ``.minnctapersm`` of ``entry`` to ``ctas`` (the co-resident CTAs c of eq. 4)."""
+  if ctas < 1:
+    raise ValueError(f"rewrite_min_ctas: ctas must be >= 1, got {ctas}")
+  return _entry_directive(ptx, entry, ".minnctapersm", str(ctas))
+
+
+def rewrite_max_registers(ptx: str, entry: str, ctas: int, threads: int) -> str:
+  """Sets ``.maxnreg`` of ``entry`` to the register ceiling R_cap of eq. 4 (16-aligned; none at one CTA per SM)."""
+  cap = geometry.register_cap(ctas, threads)
+  if cap is None:
+    return ptx
+  return _entry_directive(ptx, entry, ".maxnreg", str(cap))
+
+
+@dataclasses.dataclass(frozen=True)
+class EntryInfo:
+  name: str
+  param_types: tuple[str, ...]
+
+
+def entries(ptx: str) -> list[EntryInfo]:
+  out = []
+  for name, body in _ENTRY_RE.findall(ptx):
+    types = tuple(_PARAM_TYPE_RE.search(p).group(1) if _PARAM_TYPE_RE.search(p) else "?"
+                  for p in body.split(",") if p.strip())
+    out.append(EntryInfo(name, types))
+  return out
+
+
+def validate(ptx: str, *, role: int, arch: str, fast: bool = False,
+             param_types: tuple[str, ...] = ABI_PARAM_TYPES) -> EntryInfo:
+  """Checks one role's PTX before assembly.
+
+  Args:
+    ptx: the module (exactly one ``.entry``).
+    role: 1, 2 or 3.
+    arch: "sm_90a" or "sm_120a"; the ``.target`` must say so.
+    fast: the role 2 of the fast kernels (issues 6, 7): it must still contain the instructions of
+      `ROLE2_FEATURES` (the v1 kernels are SIMT and contain neither).
+    param_types: the formal parameter types, in order (default: the kernel ABI).
+
+  Raises:
+    PtxError: naming the entry count, the first formal that differs, the target, or the lost instruction.
+  """
+  found = entries(ptx)
+  if len(found) != 1:
+    raise PtxError(f"ptx: role {role} must hold exactly one .entry, found {len(found)}: {[e.name for e in found]}")
+  e = found[0]
+  if len(e.param_types) != len(param_types):
+    raise PtxError(f"ptx: role {role} entry {e.name} has {len(e.param_types)} formals, the ABI has "
+                   f"{len(param_types)} ({', '.join(abi.PARAMS)})")
+  for i, (got, want) in enumerate(zip(e.param_types, param_types)):
+    if got != want:
+      raise PtxError(f"ptx: role {role} entry {e.name} formal {i} ({abi.PARAMS[i]}) is {got}, the ABI says {want}")
+  target = re.search(r"^\.target\s+(\S+)", ptx, re.M)
+  if target is None or target.group(1).rstrip(",") != arch:
+    raise PtxError(f"ptx: role {role} targets {target.group(1) if target else 'nothing'}, expected {arch}")
+  if fast and role == 2:
+    for feature in ROLE2_FEATURES[arch]:
+      if feature not in ptx:
+        raise PtxError(f"ptx: role 2 for {arch} lost `{feature}` (the compiler or a rewrite dropped it)")
+  return e
+
+
+def ptxas_release(ptxas: str) -> tuple[int, int]:
+  """The CUDA release of a ``ptxas`` binary, from ``ptxas --version``."""
+  out = subprocess.run([ptxas, "--version"], capture_output=True, text=True, check=True).stdout
+  m = re.search(r"release (\d+)\.(\d+)", out)
+  if m is None:
+    raise PtxError(f"ptx: cannot read the release of {ptxas} from {out!r}")
+  return int(m.group(1)), int(m.group(2))
+
+
+def assemble(ptx: str, arch: str, *, ptxas: str | None = None) -> bytes:
+  """Assembles PTX to a cubin with ``ptxas`` (default: the one on PATH), after the version rewrite it needs.
+
+  Raises:
+    PtxError: no ptxas, an unknown release, or ptxas failing (its message included).
+  """
+  ptxas = ptxas or shutil.which("ptxas")
+  if ptxas is None:
+    raise PtxError("ptx: no ptxas on PATH (install a CUDA toolkit or the nvidia-cuda-nvcc wheel, or pass ptxas=)")
+  release = ptxas_release(ptxas)
+  isa = PTX_ISA_OF_RELEASE.get(release)
+  if isa is None:
+    raise PtxError(f"ptx: unknown ptxas release {release[0]}.{release[1]} (known: "
+                   f"{', '.join(f'{a}.{b}' for a, b in PTX_ISA_OF_RELEASE)})")
+  current = _VERSION_RE.search(ptx)
+  if current is not None and tuple(map(int, current.group(1).split("."))) > tuple(map(int, isa.split("."))):
+    ptx = rewrite_version(ptx, isa)
+  with tempfile.TemporaryDirectory() as tmp:
+    src, dst = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
+    src.write_text(ptx)
+    r = subprocess.run([ptxas, f"-arch={arch}", "-o", str(dst), str(src)], capture_output=True, text=True)
+    if r.returncode != 0:
+      raise PtxError(f"ptx: ptxas {release[0]}.{release[1]} failed for {arch}: {r.stderr.strip()[:2000]}")
+    return dst.read_bytes()

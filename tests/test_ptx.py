@@ -1,0 +1,79 @@
+"""The PTX pipeline (kernels/ptx.py) on the real role-kernel PTX: rewrites, validation, assembly."""
+
+import re
+import shutil
+
+import pytest
+
+from gcmoe_jax.kernels import build, ptx
+
+cutlass = pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
+
+SMALL = build.Variant(512, 256, 8, 4, 16)
+
+
+@pytest.fixture(scope="module")
+def modules(tmp_path_factory):
+  """PTX of the three v1 roles for sm_90a and sm_120a (compiled once, to a temporary cache)."""
+  cache = tmp_path_factory.mktemp("cubins")
+  out = {}
+  for arch in ("sm_90a", "sm_120a"):
+    built = build.load_or_build(arch, SMALL, cache_dir=cache)
+    out[arch] = {r: (built.directory / f"role{r}.ptx").read_text() for r in (1, 2, 3)}
+  return out
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
+@pytest.mark.parametrize("role", [1, 2, 3])
+def test_v1_roles_validate(modules, arch, role):
+  e = ptx.validate(modules[arch][role], role=role, arch=arch)
+  assert e.param_types == ptx.ABI_PARAM_TYPES
+
+
+@pytest.mark.parametrize("arch, feature", [("sm_90a", "wgmma.mma_async"),
+                                           ("sm_120a", "mma.sync.aligned.kind::mxf8f6f4")])
+def test_a_fast_role2_without_its_mma_fails_naming_it(modules, arch, feature):
+  with pytest.raises(ptx.PtxError, match=re.escape(f"role 2 for {arch} lost `{feature}`")):
+    ptx.validate(modules[arch][2], role=2, arch=arch, fast=True)
+
+
+def test_a_changed_formal_is_named(modules):
+  text = modules["sm_90a"][1]
+  bad = re.sub(r"\.param \.u32 (\w+_param_13)", r".param .u64 \1", text)
+  with pytest.raises(ptx.PtxError, match=r"formal 13 \(tokens\) is \.u64, the ABI says \.u32"):
+    ptx.validate(bad, role=1, arch="sm_90a")
+  with pytest.raises(ptx.PtxError, match=r"targets sm_90a, expected sm_120a"):
+    ptx.validate(text, role=1, arch="sm_120a")
+
+
+def test_version_rewrite_matches_exactly_once(modules):
+  text = modules["sm_90a"][3]
+  out = ptx.rewrite_version(text, "8.0")
+  assert re.search(r"^\.version 8\.0$", out, re.M) and out.count(".version") == text.count(".version")
+  with pytest.raises(ptx.PtxError, match=r"the \.version rewrite must match exactly once, matched 2 times"):
+    ptx.rewrite_version(text + "\n.version 9.9\n", "9.0")
+  with pytest.raises(ValueError, match="version must look like '9.0', got 'nine'"):
+    ptx.rewrite_version(text, "nine")
+
+
+def test_occupancy_rewrites_follow_eq4(modules):
+  text = modules["sm_90a"][2]
+  entry = ptx.entries(text)[0].name
+  two = ptx.rewrite_min_ctas(text, entry, 2)
+  assert ".minnctapersm 2" in two and ".minnctapersm 1" not in two
+  capped = ptx.rewrite_max_registers(two, entry, ctas=2, threads=256)
+  assert re.search(r"^\.maxnreg 128$", capped, re.M)  # 65536 / (2 * 256), 16-aligned
+  assert ptx.rewrite_max_registers(text, entry, ctas=1, threads=256) == text  # no ceiling at one CTA per SM
+  with pytest.raises(ptx.PtxError, match="entry 'nope' not found"):
+    ptx.rewrite_min_ctas(text, "nope", 2)
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None and not shutil.which("/usr/local/cuda/bin/ptxas"),
+                    reason="no ptxas on this machine")
+def test_assemble_rewrites_a_newer_version_down_to_the_local_ptxas(modules):
+  """§5.1: PTX of a newer ISA than the toolchain's ptxas assembles once its .version is rewritten."""
+  exe = shutil.which("ptxas") or "/usr/local/cuda/bin/ptxas"
+  release = ptx.ptxas_release(exe)
+  newer = ptx.rewrite_version(modules["sm_90a"][3], "9.4")
+  cubin = ptx.assemble(newer, "sm_90a", ptxas=exe)
+  assert cubin[:4] == b"\x7fELF", f"ptxas {release} returned no ELF"
