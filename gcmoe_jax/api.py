@@ -138,9 +138,10 @@ def _support(name: str, platform: str) -> Support:
     return ffi.platform_support("cpu")
   if platform != "gpu":
     return Support(False, f"needs a CUDA GPU, and the default device is {platform}")
-  arch = ffi.device_arch()
-  if not arch.ok:
-    return arch
+  for probe in (ffi.device_arch, ffi.kernels_support):
+    s = probe()
+    if not s.ok:
+      return s
   return ffi.platform_support("cuda")
 
 

@@ -359,3 +359,13 @@ def test_library_override_that_is_not_a_library(monkeypatch, tmp_path):
   monkeypatch.setenv(_library.ENV_LIBRARY, str(bogus))
   s = ffi.platform_support("cpu")
   assert not s.ok and "cannot load" in s.reason
+
+
+def test_kernels_support_says_where_cubins_come_from(monkeypatch):
+  from gcmoe_jax.ffi import _cuda
+  monkeypatch.setenv("GCMOE_CUBIN_DIR", "/some/dir")
+  assert _cuda.kernels_support() == (True, "prebuilt cubins from GCMOE_CUBIN_DIR=/some/dir")
+  monkeypatch.delenv("GCMOE_CUBIN_DIR")
+  monkeypatch.setattr(_cuda.importlib.util, "find_spec", lambda name: None)
+  s = _cuda.kernels_support()
+  assert not s.ok and "install nvidia-cutlass-dsl" in s.reason and "GCMOE_CUBIN_DIR" in s.reason

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import importlib.util
 
 import jax
 import numpy as np
@@ -77,6 +78,16 @@ def device_facts(ordinal: int, arch: str) -> tuple[geometry.Device, str]:
     max_threads_per_sm=attr("CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR"),
     gc_alignment=max(1, int(res.sm.smCoscheduledAlignment)), min_partition_sms=int(res.sm.minSmPartitionSize))
   return facts, "cuda.bindings.driver"
+
+
+def kernels_support() -> Support:
+  """Whether role-kernel cubins can be had here: prebuilt (``GCMOE_CUBIN_DIR``) or compiled (CuTe DSL importable)."""
+  if _config.get("GCMOE_CUBIN_DIR"):
+    return Support(True, f"prebuilt cubins from GCMOE_CUBIN_DIR={_config.get('GCMOE_CUBIN_DIR')}")
+  if importlib.util.find_spec("cutlass") is not None:
+    return Support(True, "cubins compiled on first use by CuTe DSL")
+  return Support(False, "no role-kernel cubins: install nvidia-cutlass-dsl (the `kernels` extra) to compile them, or "
+                        "set GCMOE_CUBIN_DIR to a directory built by `python -m gcmoe_jax build-kernels`")
 
 
 def capacity_for(tokens: int) -> int:
