@@ -79,7 +79,6 @@ std::shared_ptr<const VariantSpec> FindVariant(const std::string& key) {
 }
 
 int64_t GraphInstantiations() { return g_graph_instantiations.load(); }
-int32_t StallExpertKnob() { return g_stall_expert.load(); }
 void SetStallExpert(int32_t e) { g_stall_expert.store(e); }
 
 std::unique_ptr<Runtime> Runtime::Create(const CudaDriver& cu, std::shared_ptr<const VariantSpec> spec,
@@ -107,7 +106,6 @@ std::string Runtime::Init(std::shared_ptr<const VariantSpec> spec, CUstream stre
   CUdevResource all{};
   GCMOE_CU(cu_.cuDeviceGetDevResource(device_, &all, CU_DEV_RESOURCE_TYPE_SM));
   partition_.total_sms = all.sm.smCount;
-  partition_.min_partition = all.sm.minSmPartitionSize;
   partition_.alignment = std::max(1u, all.sm.smCoscheduledAlignment);
   const unsigned a = partition_.alignment;
   const unsigned requested = static_cast<unsigned>(std::max<int64_t>(1, s.dispatch_sms));

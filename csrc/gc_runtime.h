@@ -68,7 +68,7 @@ std::shared_ptr<const VariantSpec> FindVariant(const std::string& key);
 using PointerParams = std::array<CUdeviceptr, kNumPointerParams>;
 
 struct Partition {
-  unsigned total_sms = 0, dispatch_sms = 0, compute_sms = 0, alignment = 0, min_partition = 0;
+  unsigned total_sms = 0, dispatch_sms = 0, compute_sms = 0, alignment = 0;
 };
 
 class Runtime {
@@ -85,8 +85,6 @@ class Runtime {
   // GCMOE_SYNC_CHECK: waits for the stream, then reports a fault of this call at once.
   std::string SyncAndCheck(CUstream stream);
 
-  const Partition& partition() const { return partition_; }
-  const std::array<RoleSpec, kNumRoles>& launch() const { return launch_; }
 
  private:
   Runtime(const CudaDriver& cu) : cu_(cu) {}
@@ -121,7 +119,6 @@ class Runtime {
 
 // Test hooks and counters, reachable through ctypes.
 int64_t GraphInstantiations();
-int32_t StallExpertKnob();
 void SetStallExpert(int32_t e);
 
 }  // namespace gcmoe
