@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gcmoe_jax import ffi, reference, sharding
+from gcmoe_jax._checks import check_activations
 from gcmoe_jax._support import Support
 from gcmoe_jax.formats import ExpertWeights
 
@@ -81,15 +82,8 @@ def _check_args(x: Any, w: Any, routes: Any, clamp: Any, backend: Any) -> None:
     raise TypeError(f"moe: routes must be gcmoe_jax.Routes(ids, weights), got {type(routes).__name__}")
   if backend not in BACKENDS:
     raise ValueError(f"moe: backend must be one of {BACKENDS}, got {backend!r}")
-  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-    raise TypeError(f"moe: x must be an array, got {type(x).__name__}")
-  if x.dtype != jnp.bfloat16:
-    raise TypeError(f"moe: x must have dtype bfloat16, got {x.dtype} (convert with x.astype(jnp.bfloat16))")
-  if x.ndim != 2:
-    raise TypeError(f"moe: x must be rank 2 [T, H], got shape {list(x.shape)}")
-  t, h = x.shape
-  if h != w.hidden:
-    raise ValueError(f"moe: x.shape[1] (H) must equal the experts' hidden size {w.hidden}, got {h}")
+  check_activations(x, w.hidden)
+  t = x.shape[0]
   ids, rw = routes.ids, routes.weights
   for name, a in (("routes.ids", ids), ("routes.weights", rw)):
     if not hasattr(a, "shape") or a.ndim != 2:

@@ -7,7 +7,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "gcmoe_jax"
 # Rank of each layer: a module may import only layers of lower or equal rank. Leaves may import only leaves.
-LEAVES = {"formats", "geometry", "_support", "_config", "_compat"}
+LEAVES = {"formats", "geometry", "_support", "_config", "_compat", "_checks"}
 RANK = {"kernels": 1, "ffi": 2, "sharding": 3, "api": 4, "nn": 5}
 TOP = {"__init__", "__main__", "commands", "bench"}  # user-facing consumers: may import anything
 LEAF_DEPS = {"reference": {"formats"}}  # the oracle is a leaf over formats

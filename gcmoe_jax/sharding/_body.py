@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gcmoe_jax._checks import check_activations
 from gcmoe_jax.formats import ExpertWeights
 from gcmoe_jax.sharding import _transport as tr
 
@@ -37,14 +38,7 @@ def check_common(x: Any, w: Any, ids: Any, weights: Any, local_fn: Any, transpor
     raise TypeError(f"moe: w must be gcmoe_jax.ExpertWeights, got {type(w).__name__}")
   if not callable(local_fn):
     raise TypeError(f"moe: local_fn must be callable, got {type(local_fn).__name__}")
-  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-    raise TypeError(f"moe: x must be an array, got {type(x).__name__}")
-  if x.dtype != jnp.bfloat16:
-    raise TypeError(f"moe: x must have dtype bfloat16, got {x.dtype}")
-  if x.ndim != 2:
-    raise TypeError(f"moe: x must be rank 2 [T, H], got shape {list(x.shape)}")
-  if x.shape[1] != w.hidden:
-    raise ValueError(f"moe: x.shape[1] (H) must equal the experts' hidden size {w.hidden}, got {x.shape[1]}")
+  check_activations(x, w.hidden)
   for name, a in (("ids", ids), ("weights", weights)):
     if not hasattr(a, "shape") or a.ndim != 2:
       raise TypeError(f"moe: {name} must be rank 2 [T, k], got shape {list(getattr(a, 'shape', ()))}")
