@@ -19,6 +19,12 @@ class Var:
   help: str
 
 
+def _kernels(text: str) -> str:
+  if text not in ("v1", "v2"):
+    raise ValueError("expected v1 or v2")
+  return text
+
+
 def _bool(text: str) -> bool:
   if text.lower() in ("1", "true", "yes", "on"):
     return True
@@ -32,6 +38,8 @@ VARS = {v.name: v for v in (
   Var("GCMOE_CUBIN_DIR", str, "", "directory of prebuilt role-kernel cubins (python -m gcmoe_jax build-kernels)"),
   Var("GC_MOE_SM120_DISPATCH_SMS", int, 6, "SMs requested for the dispatch green context (eq. 5); the compute "
                                             "partition is the aligned rest of the device"),
+  Var("GCMOE_KERNELS", _kernels, "v2", "role-kernel generation: v2 (int8 tensor-core GEMMs, docs/kernels.md) or v1 "
+                                       "(the SIMT reference kernels); part of the cubin key"),
   Var("GCMOE_WAIT_TIMEOUT_MS", int, 2000, "bound of every device spin-wait; expiry becomes a Python exception"),
   Var("GCMOE_SYNC_CHECK", _bool, False, "synchronise after each CUDA call and raise a device fault at once "
                                         "(tests, debugging); otherwise it is raised by the next call"),

@@ -26,7 +26,7 @@ needs_dsl = pytest.mark.skipif(_NO_DSL is not None, reason=_NO_DSL or "")
 
 SMALL = Variant(hidden=512, intermediate=256, experts=8, top_k=4, capacity=16)
 SMALL_SHARED = Variant(512, 256, 8, 4, 16, shared_intermediate=256, shared_group=32)
-ROLE_ENTRIES = ("gcmoe_role1_dispatch_v1", "gcmoe_role2_compute_v1", "gcmoe_role3_finalize_v1")
+ROLE_ENTRIES = ("gcmoe_role1_dispatch_v1", f"gcmoe_role2_compute_{build.generation()}", "gcmoe_role3_finalize_v1")
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,10 @@ def test_role_compiles_to_a_cubin(built, arch, role):
   assert cubin[:4] == b"\x7fELF", f"{arch=}, {role=}: not an ELF cubin"
   assert entry["entry"].startswith(ROLE_ENTRIES[role - 1]), f"{arch=}, {role=}: entry {entry['entry']}"
   assert f".target {arch}" in _ptx(meta, role)
-  assert entry["block"] == 256 and entry["dynamic_smem"] == 0 and entry["local_bytes"] == 0, entry
+  assert entry["block"] == 256 and entry["local_bytes"] == 0, entry
+  # v2's role 2 runs its cp.async pipeline in dynamic SMEM (opt-in above 48 KiB; H100/H200 allow 227 KiB).
+  v2_role2 = role == 2 and build.generation() == "v2"
+  assert (48 * 1024 < entry["dynamic_smem"] <= 227 * 1024) if v2_role2 else entry["dynamic_smem"] == 0, entry
   assert entry["grid"] == (1 if role == 1 else 0)
   assert 0 < entry["registers"] <= 255 and entry["static_smem"] <= 48 * 1024, entry
 
@@ -90,7 +93,21 @@ def test_role2_waits_are_bounded_acquires(built, arch):
   assert "fence.acq_rel.gpu" in ptx
   assert "atom.global.cas.b32" in ptx, "a timeout records the fault through a CAS on error_flag"
   assert "trap" not in ptx, "a timeout must not trap (the context stays usable)"
-  assert "fma." not in ptx, "every float op of the exact math has an explicit rounding (no contraction)"
+  # Every float op of the exact math is inline PTX with an explicit rounding: no contracted FMA. (v2's one FMA,
+  # acc + f32(D) * 2**n with the product exact, is its own fma.rn.ftz.)
+  assert re.findall(r"\bfma\.[\w.]+", ptx) in ([], ["fma.rn.ftz.f32"] * ptx.count("fma.")), "a contracted FMA"
+
+
+@needs_dsl
+@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
+@pytest.mark.parametrize("arch", build.ARCHS)
+def test_v2_role2_is_int8_mma_over_a_cp_async_pipeline(built, arch):
+  ptx = _ptx(built[arch], 2)
+  mmas = re.findall(r"mma\.sync\.aligned\.m16n8k32\.row\.col\.s32\.s8\.s8\.s32", ptx)
+  # Two GEMMs x n-tile bodies (1, 2, 4, 8) x 4 K32 blocks x 3 digit planes.
+  assert len(mmas) == 2 * (1 + 2 + 4 + 8) * 4 * 3
+  assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in ptx and "cp.async.cg.shared.global" in ptx
+  assert "red.release.gpu.global.add.u32" in ptx, "tile completion is published with release"
 
 
 @needs_dsl
@@ -131,7 +148,7 @@ def test_manifest_round_trips(built, cache, monkeypatch):
   monkeypatch.setenv(build.CUBIN_DIR_ENV, str(cache))
   loaded = build.load_or_build("sm_90a", SMALL)
   assert loaded.meta == on_disk
-  assert loaded.launch(1) == (1, 256, 0) and loaded.launch(2) == (0, 256, 0)
+  assert loaded.launch(1) == (1, 256, 0) and loaded.launch(2) == (0, 256, on_disk["roles"][1]["dynamic_smem"])
   assert loaded.cubin(2)[:4] == b"\x7fELF"
   assert len([p for p in cache.iterdir() if p.name.startswith(".")]) == 0, "no temporary build left behind"
 

@@ -37,11 +37,15 @@ HEADER = {
   "error_role": 16,  # u32
   "error_block": 20,  # u32
   "error_epoch": 24,  # u32
-  "error_counter": 28,  # u32: what was awaited (role 2: the expert id)
+  "error_counter": 28,  # u32: what was awaited (role 2: the expert id, plus WAIT_GEMM1 / WAIT_XQ in v2)
   "error_observed": 32,  # u32: the value seen last
   "stall_expert": 36,  # i32: test hook: role 1 never publishes this expert (-1 = off)
 }
 HEADER_BYTES = 256
+PLANES = 3  # signed 7-bit digit planes of an E4M3 value times 512 (|512 v| <= 229,376 < 2**18)
+NAN_EXPONENT = 1 << 20  # exponent word of a block that held a NaN/Inf: outside every fast-path range
+# error_counter of a role-2 wait, by what was awaited (low bits: the expert id where there is one).
+WAIT_READY, WAIT_GEMM1, WAIT_XQ = 0, 0x10000, 0x20000
 SILU_TABLE_ENTRIES = 1 << 16  # float32 silu(g) per BF16 bit pattern (reference.silu_table)
 ALIGN = 256
 
@@ -60,19 +64,39 @@ class Workspace:
   rows: int  # i32 [E, capacity * k]: assignment index t * k + j of each row, in token order
   arena: int  # bf16 [capacity * k, H]: o_j of assignment t * k + j
   shared_out: int  # bf16 [capacity, H]: the shared expert's output (0 bytes without it)
+  # Sections of the v2 kernels (`roles_v2`; 0 bytes when ``intermediate`` is 0). An MXFP8 K32 block of one row is
+  # stored as three signed digit planes (`PLANES`): int8 [3, 32] with 512 v = d0 + 2**7 d1 + 2**14 d2, so an
+  # FP8 x FP4 block dot is three exact int8 MMAs; its exponent word is e - 10, or `NAN_EXPONENT` for a block that
+  # held a NaN/Inf.
+  xplanes: int  # int8 [capacity, H / 32, 3, 32]: x, quantized once per call by role 2's first phase
+  xexp: int  # i32 [capacity, H / 32]
+  aplanes: int  # int8 [capacity * k, I / 32, 3, 32]: the requantized SwiGLU output of assignment t * k + j
+  aexp: int  # i32 [capacity * k, I / 32]
+  counters: int  # u32 [2, E + 1] by call parity: GEMM1 tiles done per expert, then CTAs done quantizing x
   total: int  # bytes
 
   def as_attrs(self) -> dict[str, int]:
     return {f"ws_{f.name}": getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
-def workspace_layout(experts: int, capacity: int, top_k: int, hidden: int, shared: bool) -> Workspace:
-  """The workspace layout of a variant: sections in a fixed order, each 256-byte aligned."""
+def workspace_layout(experts: int, capacity: int, top_k: int, hidden: int, shared: bool,
+                     intermediate: int = 0) -> Workspace:
+  """The workspace layout of a variant: sections in a fixed order, each 256-byte aligned.
+
+  ``intermediate`` (I) sizes the v2 sections; 0 leaves them empty (the v1 kernels do not use them).
+  """
   off = HEADER_BYTES
   sections = {}
+  v2 = intermediate > 0
+  block_bytes = PLANES * 32
   for name, size in (("silu_table", 4 * SILU_TABLE_ENTRIES), ("ready", 4 * experts), ("count", 4 * experts),
                      ("rows", 4 * experts * capacity * top_k), ("arena", 2 * capacity * top_k * hidden),
-                     ("shared_out", 2 * capacity * hidden if shared else 0)):
+                     ("shared_out", 2 * capacity * hidden if shared else 0),
+                     ("xplanes", capacity * (hidden // 32) * block_bytes if v2 else 0),
+                     ("xexp", capacity * (hidden // 32) * 4 if v2 else 0),
+                     ("aplanes", capacity * top_k * (intermediate // 32) * block_bytes if v2 else 0),
+                     ("aexp", capacity * top_k * (intermediate // 32) * 4 if v2 else 0),
+                     ("counters", 2 * 4 * (experts + 1) if v2 else 0)):
     sections[name] = off
     off = _align(off + size)
   return Workspace(total=off, **sections)

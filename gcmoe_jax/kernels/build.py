@@ -1,16 +1,17 @@
 """Kernel variants: compile the role kernels to cubins, cache them with a manifest, and find them again.
 
 A variant (`Variant`) is what the role kernels specialise on: H, I, E, k, the token capacity and the shared expert.
-`compile_variant` compiles the three roles of `gcmoe_jax.kernels.roles_v1` for one architecture with CuTe DSL
-(no GPU needed) and stores, under ``<cache>/<key>/``:
+`compile_variant` compiles the three roles of the kernel generation in use (`generation`: `roles_v2` by default,
+`roles_v1` with ``GCMOE_KERNELS=v1``) for one architecture with CuTe DSL (no GPU needed) and stores, under
+``<cache>/<key>/``:
 
 * ``role{1,2,3}.cubin`` and ``role{1,2,3}.ptx``;
-* ``meta.json``: the architecture, the ``nvidia-cutlass-dsl*`` versions, the SHA-256 of ``roles_v1.py`` and
-  ``abi.py``, the variant, the workspace layout, and per role the cubin, the PTX entry symbol, the launch
+* ``meta.json``: the architecture, the ``nvidia-cutlass-dsl*`` versions, the SHA-256 of the kernel sources, the
+  variant, the workspace layout, and per role the cubin, the PTX entry symbol, the launch
   configuration (block, grid hint, dynamic SMEM), the static SMEM, registers, local memory, and the parameters as
   the PTX declares them.
 
-The key is ``<variant.key>-<arch>-<first 12 hex of the source SHA-256>``; a cached directory is reused only when its
+The key is ``<variant.key>-<arch>-<generation>-<first 12 hex of the source SHA-256>``; a cached directory is reused only when its
 ``meta.json`` names the installed CuTe DSL versions. Builds go to a temporary directory that is renamed into place,
 so readers never see half a build. A build fails, naming the role and the variant, when the PTX entry does not
 declare exactly the ABI's parameters (`abi.PARAMS`) or the kernel uses local memory (spills).
@@ -61,7 +62,7 @@ ROLE_TITLES = ("dispatch", "compute", "finalize")
 # Grid hints in the runtime's convention (0 = the runtime's choice): role 1 needs one CTA (block 0 works, others
 # return); roles 2 and 3 take any grid (role 2 reads %nctaid.x, role 3 strides tokens over blocks).
 GRID_HINTS = (1, 0, 0)
-_KERNEL_SOURCES = ("roles_v1.py", "abi.py")  # what the cubins are made of (the source hash)
+_KERNEL_SOURCES = ("roles_v1.py", "roles_v2.py", "abi.py")  # what the cubins are made of (the source hash)
 _DSL_PREFIX = "nvidia-cutlass-dsl"
 # PTX parameter types of the ABI: 13 pointers, then tokens (int32) and clamp (float32).
 _PTX_PARAM_TYPES = (".u64",) * abi.NUM_POINTER_PARAMS + (".u32", ".f32")
@@ -136,8 +137,11 @@ class Variant:
     k = f"h{self.hidden}_i{self.intermediate}_e{self.experts}_k{self.top_k}_t{self.capacity}"
     return k + (f"_s{self.shared_intermediate}g{self.shared_group}" if self.shared else "")
 
-  def workspace(self) -> abi.Workspace:
-    return abi.workspace_layout(self.experts, self.capacity, self.top_k, self.hidden, self.shared)
+  def workspace(self, kernels: str | None = None) -> abi.Workspace:
+    """The workspace layout the role kernels of generation ``kernels`` (default: `generation()`) index."""
+    v2 = (kernels or generation()) == "v2"
+    return abi.workspace_layout(self.experts, self.capacity, self.top_k, self.hidden, self.shared,
+                                self.intermediate if v2 else 0)
 
   def to_dict(self) -> dict[str, int | None]:
     return dataclasses.asdict(self)
@@ -182,8 +186,13 @@ def dsl_versions() -> dict[str, str]:
   return dict(sorted(out.items()))
 
 
+def generation() -> str:
+  """The role-kernel generation in use: ``GCMOE_KERNELS`` (v2 by default, v1 the SIMT reference kernels)."""
+  return _config.get("GCMOE_KERNELS")
+
+
 def source_sha256() -> str:
-  """SHA-256 over the kernel sources (``roles_v1.py``, ``abi.py``), in that order."""
+  """SHA-256 over the kernel sources (`_KERNEL_SOURCES`), in that order."""
   h = hashlib.sha256()
   here = pathlib.Path(__file__).resolve().parent
   for name in _KERNEL_SOURCES:
@@ -193,9 +202,9 @@ def source_sha256() -> str:
 
 
 def cache_key(arch: str, variant: Variant) -> str:
-  """``<variant.key>-<arch>-<source SHA-256[:12]>``: the directory of one build."""
+  """``<variant.key>-<arch>-<generation>-<source SHA-256[:12]>``: the directory of one build."""
   _check_arch(arch)
-  return f"{variant.key}-{arch}-{source_sha256()[:12]}"
+  return f"{variant.key}-{arch}-{generation()}-{source_sha256()[:12]}"
 
 
 def default_cache_dir() -> pathlib.Path:
@@ -316,9 +325,9 @@ def _compile_roles(arch: str, variant: Variant, out: pathlib.Path) -> list[dict[
   from cutlass import Float32, Int32, Uint8, cute
   from cutlass.cute.runtime import make_ptr
 
-  from gcmoe_jax.kernels import roles_v1
+  from gcmoe_jax.kernels import roles_v1, roles_v2
 
-  kernels = roles_v1.RoleKernelsV1(variant)
+  kernels = (roles_v2.RoleKernelsV2 if generation() == "v2" else roles_v1.RoleKernelsV1)(variant)
   # Fake arguments: the pointers' values do not matter when compiling, their type (global, 16-byte aligned) does.
   ptrs = [make_ptr(Uint8, 0, cute.AddressSpace.gmem, assumed_align=roles_v1.POINTER_ALIGN)
           for _ in range(abi.NUM_POINTER_PARAMS)]
@@ -351,7 +360,7 @@ def _compile_roles(arch: str, variant: Variant, out: pathlib.Path) -> list[dict[
       "entry": entry["name"],
       "block": roles_v1.THREADS,
       "grid": GRID_HINTS[r - 1],
-      "dynamic_smem": 0,
+      "dynamic_smem": kernels.dynamic_smem(r),
       "static_smem": res["static_smem"],
       "registers": res["registers"],
       "local_bytes": res["local_bytes"],

@@ -377,11 +377,17 @@ class RoleKernelsV1:
   Holds only static configuration (the variant, the workspace offsets); nothing is mutated while tracing.
   """
 
+  GENERATION = "v1"  # the workspace layout this class indexes (`Variant.workspace`)
+
   def __init__(self, variant: Variant):
     self.v = variant
-    self.ws = variant.workspace()
+    self.ws = variant.workspace(self.GENERATION)
     self.k_max = max(variant.hidden, variant.intermediate, variant.shared_intermediate or 0)
     self.i_max = max(variant.intermediate, variant.shared_intermediate or 0)
+
+  def dynamic_smem(self, role: int) -> int:
+    """Dynamic SMEM bytes of role ``role`` (1-3): v1 uses static SMEM only."""
+    return 0
 
   # ---- host entries (the launch configuration here only fixes .reqntid; the runtime launches the cubins) --------
 
@@ -674,6 +680,13 @@ class RoleKernelsV1:
     idb = ids.toint()
     n_tok = cutlass.min(cutlass.max(tokens, 0), v.capacity)
     fault = _ld(wsb + abi.HEADER["error_flag"])
+    if cutlass.const_expr(self.GENERATION == "v2"):
+      if bid == 0:
+        # The next call (parity epoch & 1, as cur = epoch + 1 here) counts from zero: roles 1 and 2 of this call are
+        # done (graph edges), and the next call's cannot start before this kernel ends.
+        nxt = _ld(wsb + abi.HEADER["epoch"]) & 1
+        for i in range(tid, v.experts + 1, THREADS):
+          _st(wsb + ws.counters + (Int64(nxt) * (v.experts + 1) + i) * WORD_BYTES, 0)
     for t in range(bid, n_tok, Int32(grid)):
       for h in range(tid, v.hidden, THREADS):
         acc = Int32(0)  # +0.0

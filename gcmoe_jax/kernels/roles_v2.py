@@ -1,0 +1,533 @@
+"""Role kernels v2 (issue 6): role 2 on the tensor cores, exact, as int8 MMAs over digit planes.
+
+The math is that of `roles_v1` (docs/semantics.md, bit for bit); what changes is how role 2 computes it.
+
+**The exact Hopper seam.** A K32 block dot of E4M3 activations and E2M1 weights is an integer: ``D = sum 512 x *
+2 w`` with ``|512 x| <= 229,376 < 2**18`` and ``2 w`` in [-12, 12]. Each activation ``512 x`` is stored as three
+signed 7-bit digits ``d0 + 2**7 d1 + 2**14 d2`` (`abi.PLANES`; every digit carries the sign, |d| <= 127), so
+
+    D = S0 + 2**7 S1 + 2**14 S2,    S_p = sum d_p * 2 w    (mma.sync m16n8k32 .s32.s8.s8, exact int32)
+
+and the rest is v1's epilogue: ``acc += f32(D) * 2**n`` in increasing K (n = the two block exponents - 10), as one
+FMA when 2**n is a normal float and n <= 99 (then ``f32(D) * 2**n`` is exact and normal, so the FMA rounds exactly
+like v1's mul + add), else v1's two-step product and add. FP8 ``mma.sync`` is emulated on sm_90 and FP8 ``wgmma``
+accumulates with fewer bits than FP32 (so its K32 sums are not exact); int8 MMAs are exact and native.
+
+**Role 2, one CTA of 256 threads (8 warps), items in this order** (CTA c takes c, c + G, ...):
+
+0. Phase 0 (every CTA, before any item): MXFP8 of x, one warp per (token, K32 block), a lane per element, into
+   ``xplanes``/``xexp``; then ``counters[par][E] += 1`` (release). GEMM1 waits until it equals the grid.
+1. GEMM1 items (e, j), j < 2I/128: W13 rows 128 j.. 128 j + 127 (gate/up of intermediate columns 64 j..64 j + 63).
+   Swap-AB: weights on M (warp w: rows 16 w..16 w + 15, so a thread's C fragment holds gate (row g) and up (row
+   g + 8) of one column), the expert's rows on N (chunks of up to 64, n-tiles of 8). A multistage cp.async
+   pipeline streams per K128: the 128 x 64 B weight tile (16 B chunks swizzled by ``(row >> 1) & 3``, read with
+   ldmatrix without bank conflicts), the 128 scale words, and the 96 B digit planes + exponent of every token
+   (gathered through ``rows[e]``). Epilogue: SwiGLU + clamp + route weight in BF16 (v1's ops), BF16 to SMEM, then a
+   warp per (row, K32 block) requantizes to ``aplanes``/``aexp``; ``counters[par][e] += 1`` (release).
+2. GEMM2 items (e, j), j < H/128: W2 rows 128 j.. (output columns), the same mainloop over K = I with the B
+   operand from ``aplanes`` (gathered by assignment), after waiting for ``counters[par][e] == 2I/128``; o_j =
+   bf16(acc) to ``arena``.
+3. Shared-expert items (one per token), v1's exact per-row path (not yet on the tensor cores).
+
+Every wait is bounded as in v1 (``header.timeout_ns``); a timeout records (role 2, block, epoch, counter =
+`abi.WAIT_*` + expert, observed) and the CTA stops taking items. Counters are double-buffered by call parity
+(``par = cur & 1``) and role 3 zeroes the next call's (``roles_v1`` role 3), so no reset pass runs and a faulted
+call leaves the next one clean.
+
+Roles 1 and 3 are v1's (role 3 also resets the counters). Block 256 threads, dynamic SMEM `DYN_SMEM`.
+"""
+
+from __future__ import annotations
+
+import cutlass
+from cutlass import Float32, Int32, Int64, cute
+
+from gcmoe_jax.kernels import abi
+from gcmoe_jax.kernels import roles_v1 as v1
+from gcmoe_jax.kernels.build import Variant
+
+__all__ = ["DYN_SMEM", "RoleKernelsV2", "stages"]
+
+THREADS = v1.THREADS  # 8 warps
+WARPS = THREADS // 32
+TILE_M = 16 * WARPS  # weight rows per item: one m16 tile per warp
+CHUNK = 64  # rows (tokens) per pass over the weights: 8 n-tiles of 8
+NT_MAX = CHUNK // 8
+PLANES = abi.PLANES
+BLOCK_BYTES = PLANES * 32  # one (row, K32 block) of digit planes
+TOKEN_STRIDE = 4 * BLOCK_BYTES + 32  # SMEM bytes per token per K128 stage: padded so n-tile loads miss no bank twice
+W_BYTES = TILE_M * 64  # weight tile per K128 (E2M1, 64 B per row)
+SC_BYTES = TILE_M * 4
+CTRL_BYTES = 1024  # [ok, count, ...] and per-slot token/assignment/route-weight words
+CTL_SLOT_SRC, CTL_SLOT_ASG, CTL_SLOT_RW = 16, 16 + 4 * CHUNK, 16 + 8 * CHUNK
+MAX_STAGES = 8
+PIPE_BYTES = 4 * (W_BYTES + SC_BYTES + NT_MAX * 8 * (16 + TOKEN_STRIDE))  # four stages at 64 rows
+DYN_SMEM = CTRL_BYTES + PIPE_BYTES
+SCALE_FAST_LO, SCALE_FAST_HI = 1, 226  # n + 127 in [1, 226]: 2**n normal and f32(D) * 2**n exact and finite
+# E2M1 code (low 3 bits) -> 2 w as int8, positive and negative, as prmt byte tables (bytes 0-3 in a, 4-7 in b).
+POS_LO, POS_HI = 0x03020100, 0x0C080604
+NEG_LO, NEG_HI = v1._i32(0xFDFEFF00), v1._i32(0xF4F8FAFC)
+SIGN_SELECT = 0x0000FF00  # prmt table whose byte 1 is 0xFF: a selector nibble of 1 gives an all-ones byte
+
+
+def stage_bytes(nt: int) -> int:
+  return W_BYTES + SC_BYTES + nt * 8 * (16 + TOKEN_STRIDE)
+
+
+def stages(nt: int) -> int:
+  """Pipeline depth for ``nt`` n-tiles: as many K128 stages as fit `PIPE_BYTES`, at most `MAX_STAGES`."""
+  return min(MAX_STAGES, PIPE_BYTES // stage_bytes(nt))
+
+
+# ---- PTX helpers (SMEM addresses are 32-bit shared-window addresses) ----------------------------------------------
+
+
+def _lds(addr) -> Int32:
+  return v1._ptx1("ld.shared.u32 {$w0}, [{$r0}];", addr)
+
+
+def _lds2(addr):
+  return cute.arch.inline_ptx("ld.shared.v2.u32 {{$w0}, {$w1}}, [{$r0}];", write_only_types=[Int32] * 2,
+                              read_only_args=[addr])
+
+
+def _sts(addr, v) -> None:
+  cute.arch.inline_ptx("st.shared.u32 [{$r0}], {$r1};", read_only_args=[addr, Int32(v)])
+
+
+def _lds_u16(addr) -> Int32:
+  return v1._ptx1("ld.shared.u16 {$w0}, [{$r0}];", addr)
+
+
+def _sts_u16(addr, v) -> None:
+  cute.arch.inline_ptx("st.shared.u16 [{$r0}], {$r1};", read_only_args=[addr, Int32(v)])
+
+
+def _st_u8(addr, v) -> None:
+  cute.arch.inline_ptx("st.global.u8 [{$r0}], {$r1};", read_only_args=[addr, Int32(v)])
+
+
+def _cp16(dst, src, nbytes) -> None:
+  """16 B global -> SMEM, bypassing L1 (data other CTAs wrote this call); ``nbytes`` 0 zero-fills."""
+  cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16, {$r2};", read_only_args=[dst, src, nbytes])
+
+
+def _cp4(dst, src) -> None:
+  cute.arch.inline_ptx("cp.async.ca.shared.global [{$r0}], [{$r1}], 4;", read_only_args=[dst, src])
+
+
+def _commit() -> None:
+  cute.arch.inline_ptx("cp.async.commit_group;", read_only_args=[])
+
+
+def _wait_group(n: int) -> None:
+  cute.arch.inline_ptx(f"cp.async.wait_group {n};", read_only_args=[])
+
+
+def _ldsm_x4(addr):
+  return cute.arch.inline_ptx("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+                              write_only_types=[Int32] * 4, read_only_args=[addr])
+
+
+def _mma_s8(a, b0, b1):
+  """D = A B (m16n8k32, int8 x int8 -> int32, exact), C = 0."""
+  return cute.arch.inline_ptx(
+    "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {{$w0}, {$w1}, {$w2}, {$w3}}, {{$r0}, {$r1}, {$r2}, {$r3}}, "
+    "{{$r4}, {$r5}}, {{$r6}, {$r6}, {$r6}, {$r6}};",
+    write_only_types=[Int32] * 4, read_only_args=[a[0], a[1], a[2], a[3], b0, b1, Int32(0)])
+
+
+def _prmt(a, b, c) -> Int32:
+  return v1._ptx1("prmt.b32 {$w0}, {$r0}, {$r1}, {$r2};", Int32(a), Int32(b), c)
+
+
+def _dec4(w) -> Int32:
+  """The E2M1 codes in nibbles 0-3 of ``w`` as four int8 ``2 w`` (byte i = nibble i)."""
+  sel = w & 0x7777
+  pos = _prmt(POS_LO, POS_HI, sel)
+  neg = _prmt(NEG_LO, NEG_HI, sel)
+  m = _prmt(SIGN_SELECT, 0, (w >> 3) & 0x1111)
+  return (pos & ~m) | (neg & m)
+
+
+def _shfl_xor(v, off: int) -> Int32:
+  return v1._ptx1(f"shfl.sync.bfly.b32 {{$w0}}, {{$r0}}, {off}, 31, -1;", v)
+
+
+def _fma(a, b, c) -> Int32:
+  return v1._float_op("fma.rn.ftz.f32", a, b, c)
+
+
+def _red_release_add(addr, v) -> None:
+  cute.arch.inline_ptx("red.release.gpu.global.add.u32 [{$r0}], {$r1};", read_only_args=[addr, Int32(v)])
+
+
+class RoleKernelsV2(v1.RoleKernelsV1):
+  """v1's roles 1 and 3 and a tensor-core role 2 for one `Variant`."""
+
+  GENERATION = "v2"
+
+  def __init__(self, variant: Variant):
+    super().__init__(variant)
+    v = variant
+    self.nblk_h = v.hidden // v1.K32
+    self.nblk_i = v.intermediate // v1.K32
+    self.j1 = 2 * v.intermediate // TILE_M
+    self.j2 = v.hidden // TILE_M
+    # v1's shared-expert path runs in the same SMEM (sAct, sExp, sNan, sA), after the control words.
+    self.v1_smem = v1.smem_bytes(variant)
+
+  def dynamic_smem(self, role: int) -> int:
+    return max(DYN_SMEM, CTRL_BYTES + self.v1_smem) if role == 2 else 0
+
+  @cute.jit
+  def launch_role2(self, x: cute.Pointer, ids: cute.Pointer, route_weights: cute.Pointer, w13: cute.Pointer,
+                   w13_scale: cute.Pointer, w2: cute.Pointer, w2_scale: cute.Pointer, s13: cute.Pointer,
+                   s13_scale: cute.Pointer, s2: cute.Pointer, s2_scale: cute.Pointer, y: cute.Pointer,
+                   workspace: cute.Pointer, tokens: Int32, clamp: Float32):
+    self.role2_tc(x, ids, route_weights, w13, w13_scale, w2, w2_scale, s13, s13_scale, s2, s2_scale, y,
+                  workspace, tokens, clamp).launch(
+      grid=[1, 1, 1], block=[THREADS, 1, 1], smem=self.dynamic_smem(2), min_blocks_per_mp=v1.MIN_CTAS_PER_SM)
+
+  # ////////////////////////////////////////////////////////////////////////////////////////////////////////////////
+
+  @cute.kernel
+  def role2_tc(self, x: cute.Pointer, ids: cute.Pointer, route_weights: cute.Pointer, w13: cute.Pointer,
+               w13_scale: cute.Pointer, w2: cute.Pointer, w2_scale: cute.Pointer, s13: cute.Pointer,
+               s13_scale: cute.Pointer, s2: cute.Pointer, s2_scale: cute.Pointer, y: cute.Pointer,
+               workspace: cute.Pointer, tokens: Int32, clamp: Float32):
+    v, ws = self.v, self.ws
+    tid, _, _ = cute.arch.thread_idx()
+    bid, _, _ = cute.arch.block_idx()
+    grid, _, _ = cute.arch.grid_dim()
+    smem = cute.arch.get_dyn_smem(Int32, alignment=128)
+    ctl = smem.toint()
+    pipe = ctl + CTRL_BYTES
+    wsb = workspace.toint()
+    n_tok = cutlass.min(cutlass.max(tokens, 0), v.capacity)
+    cur = v1._ld(wsb + abi.HEADER["epoch"]) + 1
+    par = cur & 1
+    counters = wsb + ws.counters + Int64(par) * ((v.experts + 1) * v1.WORD_BYTES)
+    c_bits = v1._bf16_rne(v1._float_bits(clamp)) << v1.BF16_SHIFT
+    grid32 = Int32(grid)
+    warp = tid // 32
+    lane = tid % 32
+
+    # ---- phase 0: MXFP8 of x into digit planes, a warp per (token, K32 block) --------------------------------
+    for q in range(bid * WARPS + warp, n_tok * self.nblk_h, grid32 * WARPS):
+      t = q // self.nblk_h
+      b = q - t * self.nblk_h
+      val = v1._ld_nc_bf16(x.toint() + (Int64(t) * v.hidden + b * v1.K32 + lane) * v1.BF16_BYTES)
+      self._quantize_lane(val, lane, wsb + ws.xplanes + Int64(q) * BLOCK_BYTES, wsb + ws.xexp + Int64(q) * 4)
+    cute.arch.sync_threads()
+    if tid == 0:
+      cute.arch.fence_acq_rel_gpu()
+      _red_release_add(counters + v.experts * v1.WORD_BYTES, 1)
+
+    n_shared = Int32(0)
+    if cutlass.const_expr(v.shared):
+      n_shared = n_tok
+    n1 = v.experts * self.j1
+    n2 = v.experts * self.j2
+    failed = Int32(0)
+    xq_ok = Int32(0)
+    for item in range(bid, n1 + n2 + n_shared, grid32):
+      if failed == 0:
+        if item < n1 + n2:
+          g2 = item >= n1
+          it = cutlass.select_(g2, item - n1, item)
+          per = cutlass.select_(g2, Int32(self.j2), Int32(self.j1))
+          e = it // per
+          j = it - e * per
+          if tid == 0:
+            ok = Int32(1)
+            if xq_ok == 0:
+              ok = self._wait_geq(counters + v.experts * v1.WORD_BYTES, grid32, wsb, cur, bid, abi.WAIT_XQ)
+            count = Int32(0)
+            if ok != 0:
+              ok, count = self._wait_ready(wsb, e, cur, bid)
+            if (ok != 0) & g2 & (count > 0):
+              ok = self._wait_geq(counters + Int64(e) * v1.WORD_BYTES, Int32(self.j1), wsb, cur, bid,
+                                  abi.WAIT_GEMM1 + e)
+            _sts(ctl, ok)
+            _sts(ctl + 4, count)
+          cute.arch.sync_threads()
+          ok = _lds(ctl)
+          count = _lds(ctl + 4)
+          cute.arch.sync_threads()
+          if ok == 0:
+            failed = Int32(1)
+          else:
+            xq_ok = Int32(1)
+            if count > 0:
+              if g2:
+                self._item(True, e, j, count, route_weights.toint(), w2.toint(), w2_scale.toint(), wsb, c_bits,
+                           ctl, pipe)
+              else:
+                self._item(False, e, j, count, route_weights.toint(), w13.toint(), w13_scale.toint(), wsb,
+                           c_bits, ctl, pipe)
+                cute.arch.sync_threads()
+                if tid == 0:
+                  cute.arch.fence_acq_rel_gpu()
+                  _red_release_add(counters + Int64(e) * v1.WORD_BYTES, 1)
+        else:
+          if cutlass.const_expr(v.shared):
+            self._shared_row(item - n1 - n2, x.toint(), s13.toint(), s13_scale.toint(), s2.toint(),
+                             s2_scale.toint(), wsb, c_bits, pipe)
+
+  @cute.jit
+  def _shared_row(self, t: Int32, xb: Int64, s13: Int64, s13s: Int64, s2: Int64, s2s: Int64, wsb: Int64,
+                  c_bits: Int32, pipe: Int32):
+    """v1's exact per-token path for the shared expert, its SMEM carved from the pipeline area."""
+    v = self.v
+    k_blocks = self.k_max // v1.K32
+    base = cute.arch.get_dyn_smem(Int32, alignment=128) + CTRL_BYTES // 4
+    sAct = cute.make_tensor(base, cute.make_layout(self.k_max))
+    sExp = cute.make_tensor(base + self.k_max, cute.make_layout(k_blocks))
+    sNan = cute.make_tensor(base + self.k_max + k_blocks, cute.make_layout(k_blocks))
+    sA = cute.make_tensor(cute.recast_ptr(base + self.k_max + 2 * k_blocks, dtype=cutlass.Uint16),
+                          cute.make_layout(self.i_max))
+    self._row(True, xb, t, Int32(v1.F32_ONE), s13, s13s, s2, s2s,
+              wsb + self.ws.shared_out + Int64(t) * (v.hidden * v1.BF16_BYTES), wsb, c_bits, sAct, sExp, sNan, sA)
+
+  @cute.jit
+  def _wait_geq(self, addr: Int64, target: Int32, wsb: Int64, cur: Int32, bid: Int32, what: Int32) -> Int32:
+    """Thread 0: bounded acquire-spin until the counter at ``addr`` reaches ``target``; 1 if it did, else 0
+    (a timeout is recorded with counter ``what``; another CTA's fault ends the wait too)."""
+    flag = v1._gptr(wsb + abi.HEADER["error_flag"])
+    timeout = v1._ld(wsb + abi.HEADER["timeout_ns"], cutlass.Uint64)
+    start = cute.arch.globaltimer()
+    seen = cute.arch.load(v1._gptr(addr), Int32, sem="acquire", scope="gpu")
+    fault = cute.arch.load(flag, Int32, sem="relaxed", scope="gpu")
+    elapsed = cutlass.Uint64(0)
+    while (seen < target) & (fault == 0) & (elapsed <= timeout):
+      cute.arch.inline_ptx("nanosleep.u32 {$r0};", read_only_args=[Int32(v1.SPIN_SLEEP_NS)])
+      seen = cute.arch.load(v1._gptr(addr), Int32, sem="acquire", scope="gpu")
+      fault = cute.arch.load(flag, Int32, sem="relaxed", scope="gpu")
+      elapsed = cutlass.Uint64(cute.arch.globaltimer() - start)
+    ok = Int32(0)
+    if seen >= target:
+      ok = Int32(1)
+      cute.arch.fence_acq_rel_gpu()
+    elif fault == 0:
+      old = cute.arch.atomic_cas(flag, cmp=Int32(0), val=Int32(1), sem="relaxed", scope="gpu")
+      if old == 0:
+        v1._st(wsb + abi.HEADER["error_role"], 2)
+        v1._st(wsb + abi.HEADER["error_block"], bid)
+        v1._st(wsb + abi.HEADER["error_epoch"], cur)
+        v1._st(wsb + abi.HEADER["error_counter"], what)
+        v1._st(wsb + abi.HEADER["error_observed"], seen)
+    return ok
+
+  @cute.jit
+  def _quantize_lane(self, val: Int32, lane: Int32, planes: Int64, exp_addr: Int64):
+    """MXFP8 of one K32 block held one element per lane (float32 bits), written as digit planes + exponent word.
+
+    The same arithmetic as `roles_v1._quantize_block` (amax over finite values, NaN/Inf flags the block, RNE onto
+    E4M3 after the two-step scaling), with the amax and the flag reduced across the warp.
+    """
+    a = val & v1.F32_ABS
+    finite = a < v1.F32_INF
+    amax = cutlass.select_(finite, a, Int32(0))
+    bad = cutlass.select_(finite, Int32(0), Int32(1))
+    for off in cutlass.range_constexpr(5):
+      amax = cutlass.max(amax, _shfl_xor(amax, 1 << off))
+      bad = cutlass.max(bad, _shfl_xor(bad, 1 << off))
+    e = v1._e4m3_scale_exp(amax)
+    neg = -e
+    half = neg >> 1
+    q = v1._fmul(v1._fmul(val, v1._exp2_bits(half)), v1._exp2_bits(neg - half))
+    n = cutlass.select_(finite, v1._e4m3_int(q), Int32(0))
+    m = cutlass.select_(n < 0, -n, n)
+    sgn = cutlass.select_(n < 0, Int32(-1), Int32(1))
+    _st_u8(planes + lane, sgn * (m & 127))
+    _st_u8(planes + 32 + lane, sgn * ((m >> 7) & 127))
+    _st_u8(planes + 64 + lane, sgn * (m >> 14))
+    if lane == 0:
+      v1._st(exp_addr, cutlass.select_(bad != 0, Int32(abi.NAN_EXPONENT), e + v1.FP4_DOT_SHIFT))
+
+  @cute.jit
+  def _item(self, g2: cutlass.Constexpr, e: Int32, j: Int32, count: Int32, rwb: Int64, pw: Int64, psc: Int64,
+            wsb: Int64, c_bits: Int32, ctl: Int32, pipe: Int32):
+    """One GEMM1 (g2 False) or GEMM2 item: the expert's rows in chunks of `CHUNK`, each through `_chunk`."""
+    for n0 in range(0, count, CHUNK):
+      rem = cutlass.min(count - n0, CHUNK)
+      if rem <= 8:
+        self._chunk(g2, 1, e, j, n0, count, rwb, pw, psc, wsb, c_bits, ctl, pipe)
+      elif rem <= 16:
+        self._chunk(g2, 2, e, j, n0, count, rwb, pw, psc, wsb, c_bits, ctl, pipe)
+      elif rem <= 32:
+        self._chunk(g2, 4, e, j, n0, count, rwb, pw, psc, wsb, c_bits, ctl, pipe)
+      else:
+        self._chunk(g2, 8, e, j, n0, count, rwb, pw, psc, wsb, c_bits, ctl, pipe)
+
+  @cute.jit
+  def _chunk(self, g2: cutlass.Constexpr, nt: cutlass.Constexpr, e: Int32, j: Int32, n0: Int32, count: Int32,
+             rwb: Int64, pw: Int64, psc: Int64, wsb: Int64, c_bits: Int32, ctl: Int32, pipe: Int32):
+    v, ws = self.v, self.ws
+    tid, _, _ = cute.arch.thread_idx()
+    warp = tid // 32
+    lane = tid % 32
+    g = lane // 4
+    t4 = lane % 4
+    slots = 8 * nt
+    n_rows = v.hidden if cutlass.const_expr(g2) else 2 * v.intermediate  # N of the weight tensor
+    kb_n = (v.intermediate if cutlass.const_expr(g2) else v.hidden) // v1.K128
+    nblk = self.nblk_i if cutlass.const_expr(g2) else self.nblk_h
+    planes = wsb + (ws.aplanes if cutlass.const_expr(g2) else ws.xplanes)
+    exps = wsb + (ws.aexp if cutlass.const_expr(g2) else ws.xexp)
+    st_bytes = stage_bytes(nt)
+    n_st = stages(nt)
+    xe_off = W_BYTES + SC_BYTES
+    xp_off = xe_off + slots * 16
+    pw_e = pw + Int64(e) * (kb_n * n_rows * v1.FP4_TILE_BYTES)
+    psc_e = psc + Int64(e) * (n_rows * kb_n * v1.WORD_BYTES)
+    row0 = j * TILE_M
+
+    # Slot table: the B operand's source row (token for GEMM1, assignment for GEMM2; -1 = padding).
+    if tid < slots:
+      n = n0 + tid
+      src = Int32(-1)
+      asg = Int32(-1)
+      rw = Int32(0)
+      if n < count:
+        asg = v1._ld(wsb + ws.rows + (Int64(e) * (v.capacity * v.top_k) + n) * v1.WORD_BYTES)
+        src = asg
+        if cutlass.const_expr(not g2):
+          src = asg // v.top_k
+          rw = v1._ld_nc(rwb + Int64(asg) * v1.WORD_BYTES)
+      _sts(ctl + CTL_SLOT_SRC + tid * 4, src)
+      _sts(ctl + CTL_SLOT_ASG + tid * 4, asg)
+      _sts(ctl + CTL_SLOT_RW + tid * 4, rw)
+    cute.arch.sync_threads()
+
+    # ---- mainloop -------------------------------------------------------------------------------------------
+    acc = cute.make_rmem_tensor(4 * nt, Int32)
+    for i in cutlass.range_constexpr(4 * nt):
+      acc[i] = Int32(0)
+    for s in cutlass.range_constexpr(n_st - 1):
+      if s < kb_n:
+        self._issue(s, pipe + s * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl)
+      _commit()
+    for kb in range(kb_n):
+      _wait_group(n_st - 2)
+      cute.arch.sync_threads()
+      nk = kb + n_st - 1
+      if nk < kb_n:
+        self._issue(nk, pipe + (nk % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps,
+                    ctl)
+      _commit()
+      sb = pipe + (kb % n_st) * st_bytes
+      # Weight fragments of K32 blocks 0-3: thread (g, t4) gets word t4 (nibbles 8 t4..8 t4 + 7) of rows g, g + 8.
+      q = lane // 8
+      r = 16 * warp + (q % 2) * 8 + lane % 8
+      sw = (r // 2) % 4
+      m01 = _ldsm_x4(sb + r * 64 + (((q // 2) ^ sw) << 4))
+      m23 = _ldsm_x4(sb + r * 64 + (((2 + q // 2) ^ sw) << 4))
+      words = (m01[0], m01[1], m01[2], m01[3], m23[0], m23[1], m23[2], m23[3])
+      scw0 = _lds(sb + W_BYTES + (16 * warp + g) * 4)
+      scw1 = _lds(sb + W_BYTES + (16 * warp + g + 8) * 4)
+      for s in cutlass.range_constexpr(v1.SUBS):
+        w0 = words[2 * s]
+        w1 = words[2 * s + 1]
+        a = (_dec4(w0), _dec4(w1), _dec4(w0 >> 16), _dec4(w1 >> 16))
+        ew0 = (scw0 >> (8 * s)) & 0xFF
+        ew1 = (scw1 >> (8 * s)) & 0xFF
+        for i in cutlass.range_constexpr(nt):
+          xp = sb + xp_off + (8 * i + g) * TOKEN_STRIDE + s * BLOCK_BYTES + 8 * t4
+          b0 = _lds2(xp)
+          b1 = _lds2(xp + 32)
+          b2 = _lds2(xp + 64)
+          d0 = _mma_s8(a, b0[0], b0[1])
+          d1 = _mma_s8(a, b1[0], b1[1])
+          d2 = _mma_s8(a, b2[0], b2[1])
+          ex0 = _lds(sb + xe_off + (8 * i + 2 * t4) * 16 + 4 * s)
+          ex1 = _lds(sb + xe_off + (8 * i + 2 * t4 + 1) * 16 + 4 * s)
+          # n + 127 per C element: (row g, col 2t4), (g, 2t4 + 1), (g + 8, 2t4), (g + 8, 2t4 + 1).
+          nb = (ew0 + ex0, ew0 + ex1, ew1 + ex0, ew1 + ex1)
+          lo = cutlass.min(cutlass.min(nb[0], nb[1]), cutlass.min(nb[2], nb[3]))
+          hi = cutlass.max(cutlass.max(nb[0], nb[1]), cutlass.max(nb[2], nb[3]))
+          fast = (lo >= SCALE_FAST_LO) & (hi <= SCALE_FAST_HI)
+          for c in cutlass.range_constexpr(4):
+            dsum = d0[c] + (d1[c] << 7) + (d2[c] << 14)
+            df = v1._i2f(dsum)
+            if fast:
+              acc[4 * i + c] = _fma(df, nb[c] << v1.F32_MANT_BITS, acc[4 * i + c])
+            else:
+              p = v1._scale_pow2(df, nb[c] - v1.F32_BIAS)
+              exn = ex1 if c % 2 else ex0
+              p = cutlass.select_(exn >= abi.NAN_EXPONENT, Int32(v1.F32_QNAN), p)
+              acc[4 * i + c] = v1._fadd(acc[4 * i + c], p)
+    _wait_group(0)
+    cute.arch.sync_threads()  # the pipeline area is free: the epilogue reuses it
+
+    # ---- epilogue ---------------------------------------------------------------------------------------------
+    if cutlass.const_expr(g2):
+      out = wsb + ws.arena
+      for i in cutlass.range_constexpr(nt):
+        for c in cutlass.range_constexpr(4):
+          slot = 8 * i + 2 * t4 + c % 2
+          if n0 + slot < count:
+            asg = _lds(ctl + CTL_SLOT_ASG + slot * 4)
+            h = row0 + 16 * warp + g + 8 * (c // 2)
+            v1._st_bf16(out + (Int64(asg) * v.hidden + h) * v1.BF16_BYTES, v1._bf16_rne(acc[4 * i + c]))
+    else:
+      # SwiGLU of column 64 j + 8 warp + g (gate: c 0/1, up: c 2/3) -> BF16 sA[slot][64] in the pipeline area.
+      neg_c = c_bits ^ v1.F32_SIGN
+      col = 8 * warp + g
+      for i in cutlass.range_constexpr(nt):
+        for c in cutlass.range_constexpr(2):
+          slot = 8 * i + 2 * t4 + c
+          gb = v1._bf16_rne(acc[4 * i + c]) << v1.BF16_SHIFT
+          ub = v1._bf16_rne(acc[4 * i + 2 + c]) << v1.BF16_SHIFT
+          gb = v1._fmin_nan(gb, c_bits)
+          ub = v1._fmin_nan(v1._fmax_nan(ub, neg_c), c_bits)
+          silu = v1._ld_nc(wsb + ws.silu_table + Int64((gb >> v1.BF16_SHIFT) & v1.BF16_MASK) * v1.WORD_BYTES)
+          act = v1._bf16_rne(v1._fmul(silu, ub)) << v1.BF16_SHIFT
+          rw = _lds(ctl + CTL_SLOT_RW + slot * 4)
+          _sts_u16(pipe + (slot * 64 + col) * 2, v1._bf16_rne(v1._fmul(rw, act)))
+      cute.arch.sync_threads()
+      # Requantize: a warp per (slot, K32 block 2 j + half), a lane per element.
+      for qb in range(warp, 2 * slots, WARPS):
+        slot = qb // 2
+        half = qb % 2
+        if n0 + slot < count:
+          asg = _lds(ctl + CTL_SLOT_ASG + slot * 4)
+          val = _lds_u16(pipe + (slot * 64 + 32 * half + lane) * 2) << v1.BF16_SHIFT
+          blk = Int64(asg) * self.nblk_i + 2 * j + half
+          self._quantize_lane(val, lane, wsb + ws.aplanes + blk * BLOCK_BYTES, wsb + ws.aexp + blk * 4)
+    cute.arch.sync_threads()  # the slot table and the pipeline area are rewritten by the next chunk
+
+  @cute.jit
+  def _issue(self, kb: Int32, sb: Int32, slots: cutlass.Constexpr, pw_e: Int64, psc_e: Int64, row0: Int32,
+             n_rows: cutlass.Constexpr, kb_n: cutlass.Constexpr, nblk: cutlass.Constexpr, planes: Int64,
+             exps: Int64, ctl: Int32):
+    """cp.async of K128 block ``kb`` into the stage at ``sb``: weights (swizzled), scales, B planes, exponents."""
+    tid, _, _ = cute.arch.thread_idx()
+    for i in cutlass.range_constexpr(W_BYTES // 16 // THREADS):
+      c = tid + i * THREADS
+      row = c // 4
+      col = c % 4
+      src = pw_e + (Int64(kb) * n_rows + row0 + row) * v1.FP4_TILE_BYTES + col * 16
+      _cp16(sb + row * 64 + ((col ^ ((row // 2) % 4)) << 4), src, Int32(16))
+    if tid < TILE_M:
+      _cp4(sb + W_BYTES + tid * 4, psc_e + (Int64(row0 + tid) * kb_n + kb) * v1.WORD_BYTES)
+    xe_off = W_BYTES + SC_BYTES
+    xp_off = xe_off + slots * 16
+    if tid < slots:
+      src_row = _lds(ctl + CTL_SLOT_SRC + tid * 4)
+      _cp16(sb + xe_off + tid * 16, exps + (Int64(cutlass.max(src_row, 0)) * nblk + 4 * kb) * 4,
+            cutlass.select_(src_row >= 0, Int32(16), Int32(0)))
+    chunks = slots * (4 * BLOCK_BYTES // 16)
+    for i in cutlass.range_constexpr((chunks + THREADS - 1) // THREADS):
+      c = tid + i * THREADS
+      if c < chunks:
+        slot = c // (4 * BLOCK_BYTES // 16)
+        qq = c - slot * (4 * BLOCK_BYTES // 16)
+        src_row = _lds(ctl + CTL_SLOT_SRC + slot * 4)
+        _cp16(sb + xp_off + slot * TOKEN_STRIDE + qq * 16,
+              planes + (Int64(cutlass.max(src_row, 0)) * nblk + 4 * kb) * BLOCK_BYTES + qq * 16,
+              cutlass.select_(src_row >= 0, Int32(16), Int32(0)))
+
+
+RoleKernelsV2.role2_tc.set_name_prefix("gcmoe_role2_compute_v2", remove_cutlass_symbol=True, keep_mangled_name=False)
