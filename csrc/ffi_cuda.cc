@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <string_view>
@@ -30,6 +31,11 @@ namespace gcmoe {
 // (device, T) built on first use, behind a mutex (PJRT runs each local device's call on its own thread).
 struct MoeCudaState {
   static ffi::TypeId id;
+  static std::atomic<int64_t> live;  // states alive in this process (tests: dropped executables free theirs)
+  MoeCudaState() { live.fetch_add(1); }
+  ~MoeCudaState() { live.fetch_sub(1); }
+  MoeCudaState(const MoeCudaState&) = delete;
+  MoeCudaState& operator=(const MoeCudaState&) = delete;
   MoeAttrs attrs;
   std::string variant;
   std::shared_ptr<const VariantSpec> spec;
@@ -38,6 +44,7 @@ struct MoeCudaState {
 };
 
 ffi::TypeId MoeCudaState::id = {};
+std::atomic<int64_t> MoeCudaState::live{0};
 
 namespace {
 
@@ -132,6 +139,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GcmoeMoeCudaExecute, gcmoe::MoeCudaExecute,
 
 // The state type of the instantiate stage, for jax.ffi.register_ffi_type(..., platform="CUDA").
 GCMOE_EXPORT XLA_FFI_TypeId* GcmoeMoeCudaStateTypeId() { return &gcmoe::MoeCudaState::id; }
+
+// CUDA call-site states alive in this process (each owns its workspaces, green contexts and graphs).
+GCMOE_EXPORT int64_t gcmoe_live_states() { return gcmoe::MoeCudaState::live.load(); }
 
 GCMOE_EXPORT const XLA_FFI_TypeInfo* GcmoeMoeCudaStateTypeInfo() {
   static const XLA_FFI_TypeInfo info = xla::ffi::MakeTypeInfo<gcmoe::MoeCudaState>();

@@ -18,17 +18,21 @@ import pathlib
 import sys
 import time
 
-# The GPU check set (docs/kernels.md): the small test shape with and without a shared expert (group 128 and 32),
-# and the paper's per-rank shapes GLM5.2 (H 6144, I 2048, E 32, k 8) and DSV4.1-Flash (H 5120, I 2304, E 48, k 6)
-# at token capacities 8, 64 and 256, with and without a shared expert (Is = I, group 128).
+# The GPU check set (docs/kernels.md): the small test shape (top-1, 4, 8) with and without a shared expert (group
+# 128 and 32), and the paper's per-rank shapes GLM5.2 (H 6144, I 2048, E 32, k 8) and DSV4.1-Flash (H 5120,
+# I 2304, E 48, k 6) at every token capacity, with and without a shared expert (Is = I, group 128).
 _SMALL = (512, 256, 8, 4, 16)
 _PAPER = {"glm5.2": (6144, 2048, 32, 8), "dsv4.1-flash": (5120, 2304, 48, 6)}
-_PAPER_CAPACITIES = (8, 64, 256)
+_PAPER_CAPACITIES = (8, 16, 64, 256)
 _SHARED_GROUP = 128
 
 
 def _preset_tests() -> list[tuple[int, ...]]:
-  out = [_SMALL, (*_SMALL, 256, 128), (*_SMALL, 256, 32)]
+  out = []
+  for k in (1, 4, 8):  # the small shape at capacities 8 and 16, routed and with a shared expert (groups 128, 32)
+    for cap in (8, 16):
+      small = (*_SMALL[:3], k, cap)
+      out += [small, (*small, 256, 128), (*small, 256, 32)]
   for h, i, e, k in _PAPER.values():
     for cap in _PAPER_CAPACITIES:
       out += [(h, i, e, k, cap), (h, i, e, k, cap, i, _SHARED_GROUP)]

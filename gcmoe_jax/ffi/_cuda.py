@@ -132,7 +132,7 @@ def _register(arch: str, variant: build.Variant, dispatch_sms: int, compute_sms:
   ws = variant.workspace()
   key = f"{build.cache_key(arch, variant)}:d{dispatch_sms}:c{compute_sms}:t{timeout_ns}"
   register_raw(key, (variant.capacity, dispatch_sms, timeout_ns, ws.total, ws.silu_table, compute_sms),
-               tuple(v for r in (1, 2, 3) for v in built.launch(r)), [built.cubin(r) for r in (1, 2, 3)],
+               tuple(v for r in (1, 2, 3) for v in built.launch(r, compute_sms)), [built.cubin(r) for r in (1, 2, 3)],
                reference.silu_table())
   return key
 
@@ -159,6 +159,15 @@ def graph_instantiations() -> int:
   """CUDA graphs instantiated in this process so far (one per call site, device and T; never per call)."""
   lib = _library.library()
   fn = lib.gcmoe_graph_instantiations
+  fn.argtypes = []
+  fn.restype = ctypes.c_int64
+  return int(fn())
+
+
+def live_states() -> int:
+  """CUDA call-site states alive in this process (each owns workspaces, green contexts and graphs)."""
+  lib = _library.library()
+  fn = lib.gcmoe_live_states
   fn.argtypes = []
   fn.restype = ctypes.c_int64
   return int(fn())

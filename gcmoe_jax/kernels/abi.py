@@ -42,8 +42,10 @@ HEADER = {
   "stall_expert": 36,  # i32: test hook: role 1 never publishes this expert (-1 = off)
 }
 HEADER_BYTES = 256
-PLANES = 3  # signed 7-bit digit planes of an E4M3 value times 512 (|512 v| <= 229,376 < 2**18)
-NAN_EXPONENT = 1 << 20  # exponent word of a block that held a NaN/Inf: outside every fast-path range
+PLANES = 3  # signed 6-bit digit planes of an E4M3 value times 512 (|512 v| <= 229,376 < 2**18)
+DIGIT_BITS = 6
+NAN_WORD = 0x7FFFFFFF  # exponent word of a block that held a NaN/Inf (not a multiple of 2**23)
+FAST_EXP = (-63, 35)  # e - 10 of every block of a row in this range (and no NaN): the row may take the fast path
 # error_counter of a role-2 wait, by what was awaited (low bits: the expert id where there is one).
 WAIT_READY, WAIT_GEMM1, WAIT_XQ = 0, 0x10000, 0x20000
 SILU_TABLE_ENTRIES = 1 << 16  # float32 silu(g) per BF16 bit pattern (reference.silu_table)
@@ -65,13 +67,16 @@ class Workspace:
   arena: int  # bf16 [capacity * k, H]: o_j of assignment t * k + j
   shared_out: int  # bf16 [capacity, H]: the shared expert's output (0 bytes without it)
   # Sections of the v2 kernels (`roles_v2`; 0 bytes when ``intermediate`` is 0). An MXFP8 K32 block of one row is
-  # stored as three signed digit planes (`PLANES`): int8 [3, 32] with 512 v = d0 + 2**7 d1 + 2**14 d2, so an
-  # FP8 x FP4 block dot is three exact int8 MMAs; its exponent word is e - 10, or `NAN_EXPONENT` for a block that
-  # held a NaN/Inf.
+  # stored as three signed digit planes (`PLANES`): int8 [3, 32] with 512 v = d0 + 2**6 d1 + 2**12 d2, so an
+  # FP8 x FP4 block dot is three exact int8 MMAs; its exponent word is (e - 10) << 23, or `NAN_WORD` for a block
+  # that held a NaN/Inf. A row's flag word equals the call's epoch tag when one of its blocks is NaN or has an
+  # exponent outside `FAST_EXP` (then its tiles take the exact slow path; no reset is needed between calls).
   xplanes: int  # int8 [capacity, H / 32, 3, 32]: x, quantized once per call by role 2's first phase
   xexp: int  # i32 [capacity, H / 32]
+  xflag: int  # u32 [capacity]
   aplanes: int  # int8 [capacity * k, I / 32, 3, 32]: the requantized SwiGLU output of assignment t * k + j
   aexp: int  # i32 [capacity * k, I / 32]
+  aflag: int  # u32 [capacity * k]
   counters: int  # u32 [2, E + 1] by call parity: GEMM1 tiles done per expert, then CTAs done quantizing x
   total: int  # bytes
 
@@ -94,8 +99,10 @@ def workspace_layout(experts: int, capacity: int, top_k: int, hidden: int, share
                      ("shared_out", 2 * capacity * hidden if shared else 0),
                      ("xplanes", capacity * (hidden // 32) * block_bytes if v2 else 0),
                      ("xexp", capacity * (hidden // 32) * 4 if v2 else 0),
+                     ("xflag", capacity * 4 if v2 else 0),
                      ("aplanes", capacity * top_k * (intermediate // 32) * block_bytes if v2 else 0),
                      ("aexp", capacity * top_k * (intermediate // 32) * 4 if v2 else 0),
+                     ("aflag", capacity * top_k * 4 if v2 else 0),
                      ("counters", 2 * 4 * (experts + 1) if v2 else 0)):
     sections[name] = off
     off = _align(off + size)

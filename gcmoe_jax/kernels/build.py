@@ -68,6 +68,9 @@ _DSL_PREFIX = "nvidia-cutlass-dsl"
 _PTX_PARAM_TYPES = (".u64",) * abi.NUM_POINTER_PARAMS + (".u32", ".f32")
 _PTX_TYPE_BYTES = {".u64": 8, ".u32": 4, ".f32": 4, ".s32": 4, ".b32": 4, ".b64": 8}
 _STATIC_SMEM_LIMIT = 48 * 1024  # static __shared__ above this needs dynamic SMEM
+# Local memory (spill) bytes a role may use. Role 2 of the two-CTA variants runs at a 128-register cap and ptxas
+# spills 8-24 B there (docs/kernels_v2.md); every other kernel must not spill.
+_SPILL_BUDGET = {2: 32}
 
 
 class BuildError(RuntimeError):
@@ -165,10 +168,14 @@ class BuiltVariant:
   def cubin(self, r: int) -> bytes:
     return (self.directory / self.role(r)["cubin"]).read_bytes()
 
-  def launch(self, r: int) -> tuple[int, int, int]:
-    """(grid hint, block, dynamic SMEM bytes) of role r, in the runtime's convention (grid 0 = its choice)."""
+  def launch(self, r: int, compute_sms: int = 0) -> tuple[int, int, int]:
+    """(grid hint, block, dynamic SMEM bytes) of role r, in the runtime's convention (grid 0 = its choice: one CTA
+    per compute SM). A role built for several CTAs per SM gets that many per compute SM when ``compute_sms`` is
+    given."""
     e = self.role(r)
-    return e["grid"], e["block"], e["dynamic_smem"]
+    ctas = e.get("ctas_per_sm", 1)
+    grid = ctas * compute_sms if e["grid"] == 0 and ctas > 1 and compute_sms > 0 else e["grid"]
+    return grid, e["block"], e["dynamic_smem"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -294,7 +301,8 @@ def cubin_resources(cubin: bytes, entry: str) -> dict[str, int]:
   return out
 
 
-def _check_role(role: int, variant: Variant, arch: str, entry: dict[str, Any], res: dict[str, int]) -> None:
+def _check_role(role: int, variant: Variant, arch: str, entry: dict[str, Any], res: dict[str, int],
+                ctas: int = 1) -> None:
   from gcmoe_jax.kernels import roles_v1
 
   where = f"role {role} ({ROLE_TITLES[role - 1]}) of {variant.key} for {arch}"
@@ -308,9 +316,10 @@ def _check_role(role: int, variant: Variant, arch: str, entry: dict[str, Any], r
   if res["local_bytes"] < 0:
     raise BuildError(f"build: {where}: the cubin's .nv.info has no EIATTR_FRAME_SIZE for {entry['name']}; cannot "
                      f"check local memory (cubin format changed?)")
-  if res["local_bytes"] != 0:
+  if res["local_bytes"] > (_SPILL_BUDGET.get(role, 0) if ctas > 1 else 0):
     raise BuildError(f"build: {where}: the kernel uses {res['local_bytes']} B of local memory (a stack frame: "
-                     f"register spills) with {res['registers']} registers; v1 kernels must not spill")
+                     f"register spills) with {res['registers']} registers; the kernels must not spill "
+                     f"(two-CTA role 2: at most {_SPILL_BUDGET.get(role, 0)} B)")
   if res["static_smem"] > _STATIC_SMEM_LIMIT:
     raise BuildError(f"build: {where}: {res['static_smem']} B of static SMEM exceeds {_STATIC_SMEM_LIMIT}")
 
@@ -350,8 +359,19 @@ def _compile_roles(arch: str, variant: Variant, out: pathlib.Path) -> list[dict[
     ptx = (out / ptx_name).read_text()
     cubin = (out / cubin_name).read_bytes()
     entry = parse_ptx_entry(ptx)
+    ctas = kernels.ctas_per_sm(r)
+    if ctas > 1:
+      # Several CTAs per SM: the §5.1 rewrites (.minnctapersm and the eq. 4 register ceiling) and an assembly with
+      # the local ptxas (CuTe DSL queries a GPU for min_blocks_per_mp > 1, and there may be none here).
+      from gcmoe_jax.kernels import ptx as ptx_pipeline
+
+      ptx = ptx_pipeline.rewrite_min_ctas(ptx, entry["name"], ctas)
+      ptx = ptx_pipeline.rewrite_max_registers(ptx, entry["name"], ctas, roles_v1.THREADS)
+      cubin = ptx_pipeline.assemble(ptx, arch)
+      (out / ptx_name).write_text(ptx)
+      (out / cubin_name).write_bytes(cubin)
     res = cubin_resources(cubin, entry["name"])
-    _check_role(r, variant, arch, entry, res)
+    _check_role(r, variant, arch, entry, res, ctas)
     entries.append({
       "role": r,
       "title": ROLE_TITLES[r - 1],
@@ -361,6 +381,7 @@ def _compile_roles(arch: str, variant: Variant, out: pathlib.Path) -> list[dict[
       "block": roles_v1.THREADS,
       "grid": GRID_HINTS[r - 1],
       "dynamic_smem": kernels.dynamic_smem(r),
+      "ctas_per_sm": kernels.ctas_per_sm(r),
       "static_smem": res["static_smem"],
       "registers": res["registers"],
       "local_bytes": res["local_bytes"],

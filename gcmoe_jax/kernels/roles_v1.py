@@ -389,6 +389,10 @@ class RoleKernelsV1:
     """Dynamic SMEM bytes of role ``role`` (1-3): v1 uses static SMEM only."""
     return 0
 
+  def ctas_per_sm(self, role: int) -> int:
+    """CTAs of role ``role`` built to share an SM (.minnctapersm): one."""
+    return MIN_CTAS_PER_SM
+
   # ---- host entries (the launch configuration here only fixes .reqntid; the runtime launches the cubins) --------
 
   @cute.jit

@@ -4,29 +4,35 @@ The math is that of `roles_v1` (docs/semantics.md, bit for bit); what changes is
 
 **The exact Hopper seam.** A K32 block dot of E4M3 activations and E2M1 weights is an integer: ``D = sum 512 x *
 2 w`` with ``|512 x| <= 229,376 < 2**18`` and ``2 w`` in [-12, 12]. Each activation ``512 x`` is stored as three
-signed 7-bit digits ``d0 + 2**7 d1 + 2**14 d2`` (`abi.PLANES`; every digit carries the sign, |d| <= 127), so
+signed 6-bit digits ``d0 + 2**6 d1 + 2**12 d2`` (`abi.PLANES`; every digit carries the sign), so
 
-    D = S0 + 2**7 S1 + 2**14 S2,    S_p = sum d_p * 2 w    (mma.sync m16n8k32 .s32.s8.s8, exact int32)
+    D = S0 + 2**6 S1 + 2**12 S2,    S_p = sum d_p * 2 w    (mma.sync m16n8k32 .s32.s8.s8, exact int32)
 
-and the rest is v1's epilogue: ``acc += f32(D) * 2**n`` in increasing K (n = the two block exponents - 10), as one
-FMA when 2**n is a normal float and n <= 99 (then ``f32(D) * 2**n`` is exact and normal, so the FMA rounds exactly
-like v1's mul + add), else v1's two-step product and add. FP8 ``mma.sync`` is emulated on sm_90 and FP8 ``wgmma``
-accumulates with fewer bits than FP32 (so its K32 sums are not exact); int8 MMAs are exact and native.
+and the rest is v1's epilogue, ``acc += f32(D) * 2**n`` in increasing K (n = the two block exponents - 10), done
+without a conversion instruction on the fast path (`_stage`): the MMA accumulator input adds a float magic number,
+so f32(T) and f32(S2) are exact subtractions, f32(D) one FMA, and the scaled add one more FMA. FP8 ``mma.sync`` is
+emulated on sm_90 and FP8 ``wgmma`` sums with fewer bits than FP32 (its K32 sums are not exact); int8 MMAs are
+exact and native.
 
-**Role 2, one CTA of 256 threads (8 warps), items in this order** (CTA c takes c, c + G, ...):
+**Role 2, CTAs of 256 threads (8 warps)**: one per compute SM with passes of up to 64 rows, or, for routed-only
+variants of token capacity <= 16 (decode batches), two per SM with passes of up to 16 rows at <= 128 registers
+(build.py applies the .minnctapersm/.maxnreg rewrites of paper §5.1; twice the warps hide the MMA and SMEM
+latencies better where the work per stage is small).
 
-0. Phase 0 (every CTA, before any item): MXFP8 of x, one warp per (token, K32 block), a lane per element, into
-   ``xplanes``/``xexp``; then ``counters[par][E] += 1`` (release). GEMM1 waits until it equals the grid.
-1. GEMM1 items (e, j), j < 2I/128: W13 rows 128 j.. 128 j + 127 (gate/up of intermediate columns 64 j..64 j + 63).
-   Swap-AB: weights on M (warp w: rows 16 w..16 w + 15, so a thread's C fragment holds gate (row g) and up (row
-   g + 8) of one column), the expert's rows on N (chunks of up to 64, n-tiles of 8). A multistage cp.async
-   pipeline streams per K128: the 128 x 64 B weight tile (16 B chunks swizzled by ``(row >> 1) & 3``, read with
-   ldmatrix without bank conflicts), the 128 scale words, and the 96 B digit planes + exponent of every token
-   (gathered through ``rows[e]``). Epilogue: SwiGLU + clamp + route weight in BF16 (v1's ops), BF16 to SMEM, then a
-   warp per (row, K32 block) requantizes to ``aplanes``/``aexp``; ``counters[par][e] += 1`` (release).
-2. GEMM2 items (e, j), j < H/128: W2 rows 128 j.. (output columns), the same mainloop over K = I with the B
-   operand from ``aplanes`` (gathered by assignment), after waiting for ``counters[par][e] == 2I/128``; o_j =
-   bf16(acc) to ``arena``.
+0. Phase 0 (every CTA): MXFP8 of x, one warp per (token, K32 block), a lane per element, into ``xplanes``/``xexp``
+   (and ``xflag``); then ``counters[par][E] += 1`` (release). Then every CTA waits for the count to reach the grid
+   and for every expert's publication (a thread per expert), and lists the experts hit in SMEM.
+1. GEMM1 items (h, j) over the hit list, j < 2I/128, CTA c taking items c, c + G, ...: W13 rows 128 j..128 j + 127
+   (gate/up of intermediate columns 64 j..64 j + 63). Swap-AB: weights on M (warp w: rows 16 w..16 w + 15, so a
+   thread's C fragment holds gate (row g) and up (row g + 8) of one column), the expert's rows on N (chunks of up
+   to 64, n-tiles of 8, bodies specialised for 1, 2, 4 and 8 n-tiles). A multistage cp.async pipeline streams per
+   K128: the 128 x 64 B weight tile (16 B chunks swizzled by ``(row >> 1) & 3``, read with ldmatrix without bank
+   conflicts), the 128 scale words, and the 96 B digit planes + exponent words of every row (gathered through
+   ``rows[e]``). Epilogue: SwiGLU + clamp + route weight in BF16 (v1's ops), BF16 to SMEM, then a warp per (row,
+   K32 block) requantizes to ``aplanes``/``aexp``; ``counters[par][e] += 1`` (release).
+2. GEMM2 items (h, j), j < H/128, after all GEMM1 items (so no CTA waits on an item a waiting CTA holds): W2 rows
+   128 j.. (output columns), the same mainloop over K = I with the B operand from ``aplanes`` (gathered by
+   assignment), after waiting for ``counters[par][e] == 2I/128``; o_j = bf16(acc) to ``arena``.
 3. Shared-expert items (one per token), v1's exact per-row path (not yet on the tensor cores).
 
 Every wait is bounded as in v1 (``header.timeout_ns``); a timeout records (role 2, block, epoch, counter =
@@ -34,7 +40,7 @@ Every wait is bounded as in v1 (``header.timeout_ns``); a timeout records (role 
 (``par = cur & 1``) and role 3 zeroes the next call's (``roles_v1`` role 3), so no reset pass runs and a faulted
 call leaves the next one clean.
 
-Roles 1 and 3 are v1's (role 3 also resets the counters). Block 256 threads, dynamic SMEM `DYN_SMEM`.
+Roles 1 and 3 are v1's (role 3 also resets the counters). Role 2: block 256, dynamic SMEM `dynamic_smem`.
 """
 
 from __future__ import annotations
@@ -46,24 +52,30 @@ from gcmoe_jax.kernels import abi
 from gcmoe_jax.kernels import roles_v1 as v1
 from gcmoe_jax.kernels.build import Variant
 
-__all__ = ["DYN_SMEM", "RoleKernelsV2", "stages"]
+__all__ = ["RoleKernelsV2", "stages"]
 
 THREADS = v1.THREADS  # 8 warps
 WARPS = THREADS // 32
 TILE_M = 16 * WARPS  # weight rows per item: one m16 tile per warp
-CHUNK = 64  # rows (tokens) per pass over the weights: 8 n-tiles of 8
-NT_MAX = CHUNK // 8
+NT_MAX = 8  # n-tiles of 8 rows per pass over the weights (64 rows)
+SMALL_CAPACITY = 16  # routed-only variants up to this token capacity: passes of 16 rows and two CTAs per SM
 PLANES = abi.PLANES
 BLOCK_BYTES = PLANES * 32  # one (row, K32 block) of digit planes
 TOKEN_STRIDE = 4 * BLOCK_BYTES + 32  # SMEM bytes per token per K128 stage: padded so n-tile loads miss no bank twice
 W_BYTES = TILE_M * 64  # weight tile per K128 (E2M1, 64 B per row)
 SC_BYTES = TILE_M * 4
-CTRL_BYTES = 1024  # [ok, count, ...] and per-slot token/assignment/route-weight words
-CTL_SLOT_SRC, CTL_SLOT_ASG, CTL_SLOT_RW = 16, 16 + 4 * CHUNK, 16 + 8 * CHUNK
+CTRL_BYTES = 1024  # [ok, count, ...] and per-slot token/assignment/route-weight words, then the expert table
+CTL_SLOT_SRC, CTL_SLOT_ASG, CTL_SLOT_RW = 16, 16 + 32 * NT_MAX, 16 + 64 * NT_MAX
 MAX_STAGES = 8
-PIPE_BYTES = 4 * (W_BYTES + SC_BYTES + NT_MAX * 8 * (16 + TOKEN_STRIDE))  # four stages at 64 rows
-DYN_SMEM = CTRL_BYTES + PIPE_BYTES
-SCALE_FAST_LO, SCALE_FAST_HI = 1, 226  # n + 127 in [1, 226]: 2**n normal and f32(D) * 2**n exact and finite
+PIPE_STAGES = (4, 6)  # stages that fit the pipeline area at the widest pass: 1 CTA per SM, 2 CTAs per SM
+
+# The fast path needs n + 127 in [1, 226] for every element: 2**n normal, f32(D) * 2**n exact and finite. It is
+# taken when every weight scale byte of the stage is in [64, 191] (bits 7 and 6 differ) and no row of the chunk is
+# flagged (every block's e - 10 in abi.FAST_EXP = [-63, 35]).
+SCALE_BYTE_BITS = v1._i32(0x80808080)
+MAGIC = 0x4B400000  # 1.5 * 2**23 as float32 bits: MAGIC + T (|T| < 2**22) is the float 1.5 * 2**23 + T exactly
+MAGIC_NEG = v1._f32_bits(-12582912.0)
+F32_4096 = v1._f32_bits(4096.0)
 # E2M1 code (low 3 bits) -> 2 w as int8, positive and negative, as prmt byte tables (bytes 0-3 in a, 4-7 in b).
 POS_LO, POS_HI = 0x03020100, 0x0C080604
 NEG_LO, NEG_HI = v1._i32(0xFDFEFF00), v1._i32(0xF4F8FAFC)
@@ -74,9 +86,9 @@ def stage_bytes(nt: int) -> int:
   return W_BYTES + SC_BYTES + nt * 8 * (16 + TOKEN_STRIDE)
 
 
-def stages(nt: int) -> int:
-  """Pipeline depth for ``nt`` n-tiles: as many K128 stages as fit `PIPE_BYTES`, at most `MAX_STAGES`."""
-  return min(MAX_STAGES, PIPE_BYTES // stage_bytes(nt))
+def stages(nt: int, pipe_bytes: int) -> int:
+  """Pipeline depth for ``nt`` n-tiles: as many K128 stages as fit ``pipe_bytes``, at most `MAX_STAGES`."""
+  return min(MAX_STAGES, pipe_bytes // stage_bytes(nt))
 
 
 # ---- PTX helpers (SMEM addresses are 32-bit shared-window addresses) ----------------------------------------------
@@ -129,12 +141,28 @@ def _ldsm_x4(addr):
                               write_only_types=[Int32] * 4, read_only_args=[addr])
 
 
-def _mma_s8(a, b0, b1):
-  """D = A B (m16n8k32, int8 x int8 -> int32, exact), C = 0."""
+def _mma_s8(a, b, c):
+  """D = A B + C (m16n8k32, int8 x int8 + int32 -> int32, exact: no sum here leaves int32)."""
   return cute.arch.inline_ptx(
     "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {{$w0}, {$w1}, {$w2}, {$w3}}, {{$r0}, {$r1}, {$r2}, {$r3}}, "
-    "{{$r4}, {$r5}}, {{$r6}, {$r6}, {$r6}, {$r6}};",
-    write_only_types=[Int32] * 4, read_only_args=[a[0], a[1], a[2], a[3], b0, b1, Int32(0)])
+    "{{$r4}, {$r5}}, {{$r6}, {$r7}, {$r8}, {$r9}};",
+    write_only_types=[Int32] * 4, read_only_args=[a[0], a[1], a[2], a[3], b[0], b[1], c[0], c[1], c[2], c[3]])
+
+
+def _lds4(addr):
+  return cute.arch.inline_ptx("ld.shared.v4.u32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+                              write_only_types=[Int32] * 4, read_only_args=[addr])
+
+
+def _bar_or(pred) -> Int32:
+  """__syncthreads_or: 1 in every thread if ``pred`` is non-zero in any thread of the CTA."""
+  return v1._ptx1("{ .reg .pred _gp, _gq; setp.ne.s32 _gp, {$r0}, 0; bar.red.or.pred _gq, 0, _gp; "
+                  "selp.s32 {$w0}, 1, 0, _gq; }", Int32(pred))
+
+
+def _ld_gpu(addr) -> Int32:
+  """A relaxed gpu-scope load: data other CTAs of this kernel wrote (never a stale L1 line)."""
+  return cute.arch.load(v1._gptr(addr), Int32, sem="relaxed", scope="gpu")
 
 
 def _prmt(a, b, c) -> Int32:
@@ -174,11 +202,25 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     self.nblk_i = v.intermediate // v1.K32
     self.j1 = 2 * v.intermediate // TILE_M
     self.j2 = v.hidden // TILE_M
-    # v1's shared-expert path runs in the same SMEM (sAct, sExp, sNan, sA), after the control words.
-    self.v1_smem = v1.smem_bytes(variant)
+    # SMEM: control words, the expert table (count[e], then the hit list), then the pipeline, in which v1's
+    # shared-expert path (sAct, sExp, sNan, sA) also runs.
+    self.table = CTRL_BYTES
+    self.pipe = CTRL_BYTES + (8 * v.experts + 127) // 128 * 128
+    # Small routed-only variants (decode batches of at most 16 tokens) run passes of at most 16 rows with a
+    # 128-register budget, so two CTAs share an SM and hide each other's latencies; the others run 64-row passes
+    # (v1's shared-expert path needs more registers).
+    small = v.capacity <= SMALL_CAPACITY and not v.shared
+    self.nt_max = 2 if small else NT_MAX
+    self.ctas = 2 if small else 1
+    self.pipe_bytes = PIPE_STAGES[self.ctas - 1] * stage_bytes(self.nt_max)
+    self.v1_smem = v1.smem_bytes(variant) if v.shared else 0
 
   def dynamic_smem(self, role: int) -> int:
-    return max(DYN_SMEM, CTRL_BYTES + self.v1_smem) if role == 2 else 0
+    return self.pipe + max(self.pipe_bytes, self.v1_smem) if role == 2 else 0
+
+  def ctas_per_sm(self, role: int) -> int:
+    """CTAs of role ``role`` the kernel is built to co-schedule per SM (its grid is that times the compute SMs)."""
+    return self.ctas if role == 2 else 1
 
   @cute.jit
   def launch_role2(self, x: cute.Pointer, ids: cute.Pointer, route_weights: cute.Pointer, w13: cute.Pointer,
@@ -188,6 +230,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     self.role2_tc(x, ids, route_weights, w13, w13_scale, w2, w2_scale, s13, s13_scale, s2, s2_scale, y,
                   workspace, tokens, clamp).launch(
       grid=[1, 1, 1], block=[THREADS, 1, 1], smem=self.dynamic_smem(2), min_blocks_per_mp=v1.MIN_CTAS_PER_SM)
+    # (Two CTAs per SM: build.py rewrites .minnctapersm and .maxnreg and assembles with the local ptxas.)
 
   # ////////////////////////////////////////////////////////////////////////////////////////////////////////////////
 
@@ -200,9 +243,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     tid, _, _ = cute.arch.thread_idx()
     bid, _, _ = cute.arch.block_idx()
     grid, _, _ = cute.arch.grid_dim()
-    smem = cute.arch.get_dyn_smem(Int32, alignment=128)
-    ctl = smem.toint()
-    pipe = ctl + CTRL_BYTES
+    ctl = cute.arch.get_dyn_smem(Int32, alignment=128).toint()
+    table = ctl + self.table
+    pipe = ctl + self.pipe
     wsb = workspace.toint()
     n_tok = cutlass.min(cutlass.max(tokens, 0), v.capacity)
     cur = v1._ld(wsb + abi.HEADER["epoch"]) + 1
@@ -218,70 +261,85 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       t = q // self.nblk_h
       b = q - t * self.nblk_h
       val = v1._ld_nc_bf16(x.toint() + (Int64(t) * v.hidden + b * v1.K32 + lane) * v1.BF16_BYTES)
-      self._quantize_lane(val, lane, wsb + ws.xplanes + Int64(q) * BLOCK_BYTES, wsb + ws.xexp + Int64(q) * 4)
+      self._quantize_lane(val, lane, wsb + ws.xplanes + Int64(q) * BLOCK_BYTES, wsb + ws.xexp + Int64(q) * 4,
+                          wsb + ws.xflag + Int64(t) * 4, cur)
     cute.arch.sync_threads()
     if tid == 0:
       cute.arch.fence_acq_rel_gpu()
       _red_release_add(counters + v.experts * v1.WORD_BYTES, 1)
 
+    # ---- every expert's publication (a thread per expert), then the list of experts hit ----------------------
+    ok = Int32(1)
+    if tid == 0:
+      ok = self._wait_geq(counters + v.experts * v1.WORD_BYTES, grid32, wsb, cur, bid, abi.WAIT_XQ)
+    ok = 1 - _bar_or(ok == 0)
+    if ok != 0:
+      for e in range(tid, v.experts, THREADS):
+        ok_e, count = self._wait_ready(wsb, e, cur, bid)
+        _sts(table + e * 4, cutlass.select_(ok_e != 0, count, Int32(-1)))
+    cute.arch.sync_threads()
+    if tid == 0:
+      n_hit = Int32(0)
+      for e in range(v.experts):
+        c = _lds(table + e * 4)
+        if c < 0:
+          ok = Int32(0)
+        if c > 0:
+          _sts(table + (v.experts + n_hit) * 4, e)
+          n_hit = n_hit + 1
+      _sts(ctl, ok)
+      _sts(ctl + 4, n_hit)
+    cute.arch.sync_threads()
+    ok = _lds(ctl)
+    n_hit = _lds(ctl + 4)
+    cute.arch.sync_threads()
+
     n_shared = Int32(0)
     if cutlass.const_expr(v.shared):
       n_shared = n_tok
-    n1 = v.experts * self.j1
-    n2 = v.experts * self.j2
+    n1 = n_hit * self.j1
+    n2 = n_hit * self.j2
+    n_items = cutlass.select_(ok != 0, n1 + n2 + n_shared, Int32(0))
     failed = Int32(0)
-    xq_ok = Int32(0)
-    for item in range(bid, n1 + n2 + n_shared, grid32):
+    for item in range(bid, n_items, grid32):
       if failed == 0:
         if item < n1 + n2:
           g2 = item >= n1
           it = cutlass.select_(g2, item - n1, item)
           per = cutlass.select_(g2, Int32(self.j2), Int32(self.j1))
-          e = it // per
-          j = it - e * per
-          if tid == 0:
+          h = it // per
+          j = it - h * per
+          e = _lds(table + (v.experts + h) * 4)
+          count = _lds(table + e * 4)
+          if g2:
             ok = Int32(1)
-            if xq_ok == 0:
-              ok = self._wait_geq(counters + v.experts * v1.WORD_BYTES, grid32, wsb, cur, bid, abi.WAIT_XQ)
-            count = Int32(0)
-            if ok != 0:
-              ok, count = self._wait_ready(wsb, e, cur, bid)
-            if (ok != 0) & g2 & (count > 0):
+            if tid == 0:
               ok = self._wait_geq(counters + Int64(e) * v1.WORD_BYTES, Int32(self.j1), wsb, cur, bid,
                                   abi.WAIT_GEMM1 + e)
-            _sts(ctl, ok)
-            _sts(ctl + 4, count)
-          cute.arch.sync_threads()
-          ok = _lds(ctl)
-          count = _lds(ctl + 4)
-          cute.arch.sync_threads()
-          if ok == 0:
-            failed = Int32(1)
+            if _bar_or(ok == 0) != 0:
+              failed = Int32(1)
+            else:
+              self._item(True, e, j, count, route_weights.toint(), w2.toint(), w2_scale.toint(), wsb, c_bits,
+                         cur, ctl, pipe)
           else:
-            xq_ok = Int32(1)
-            if count > 0:
-              if g2:
-                self._item(True, e, j, count, route_weights.toint(), w2.toint(), w2_scale.toint(), wsb, c_bits,
-                           ctl, pipe)
-              else:
-                self._item(False, e, j, count, route_weights.toint(), w13.toint(), w13_scale.toint(), wsb,
-                           c_bits, ctl, pipe)
-                cute.arch.sync_threads()
-                if tid == 0:
-                  cute.arch.fence_acq_rel_gpu()
-                  _red_release_add(counters + Int64(e) * v1.WORD_BYTES, 1)
+            self._item(False, e, j, count, route_weights.toint(), w13.toint(), w13_scale.toint(), wsb, c_bits,
+                       cur, ctl, pipe)
+            cute.arch.sync_threads()
+            if tid == 0:
+              cute.arch.fence_acq_rel_gpu()
+              _red_release_add(counters + Int64(e) * v1.WORD_BYTES, 1)
         else:
           if cutlass.const_expr(v.shared):
             self._shared_row(item - n1 - n2, x.toint(), s13.toint(), s13_scale.toint(), s2.toint(),
-                             s2_scale.toint(), wsb, c_bits, pipe)
+                             s2_scale.toint(), wsb, c_bits)
 
   @cute.jit
   def _shared_row(self, t: Int32, xb: Int64, s13: Int64, s13s: Int64, s2: Int64, s2s: Int64, wsb: Int64,
-                  c_bits: Int32, pipe: Int32):
+                  c_bits: Int32):
     """v1's exact per-token path for the shared expert, its SMEM carved from the pipeline area."""
     v = self.v
     k_blocks = self.k_max // v1.K32
-    base = cute.arch.get_dyn_smem(Int32, alignment=128) + CTRL_BYTES // 4
+    base = cute.arch.get_dyn_smem(Int32, alignment=128) + self.pipe // 4
     sAct = cute.make_tensor(base, cute.make_layout(self.k_max))
     sExp = cute.make_tensor(base + self.k_max, cute.make_layout(k_blocks))
     sNan = cute.make_tensor(base + self.k_max + k_blocks, cute.make_layout(k_blocks))
@@ -292,7 +350,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
 
   @cute.jit
   def _wait_geq(self, addr: Int64, target: Int32, wsb: Int64, cur: Int32, bid: Int32, what: Int32) -> Int32:
-    """Thread 0: bounded acquire-spin until the counter at ``addr`` reaches ``target``; 1 if it did, else 0
+    """One thread: bounded acquire-spin until the counter at ``addr`` reaches ``target``; 1 if it did, else 0
     (a timeout is recorded with counter ``what``; another CTA's fault ends the wait too)."""
     flag = v1._gptr(wsb + abi.HEADER["error_flag"])
     timeout = v1._ld(wsb + abi.HEADER["timeout_ns"], cutlass.Uint64)
@@ -320,11 +378,12 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     return ok
 
   @cute.jit
-  def _quantize_lane(self, val: Int32, lane: Int32, planes: Int64, exp_addr: Int64):
+  def _quantize_lane(self, val: Int32, lane: Int32, planes: Int64, exp_addr: Int64, flag_addr: Int64, cur: Int32):
     """MXFP8 of one K32 block held one element per lane (float32 bits), written as digit planes + exponent word.
 
     The same arithmetic as `roles_v1._quantize_block` (amax over finite values, NaN/Inf flags the block, RNE onto
-    E4M3 after the two-step scaling), with the amax and the flag reduced across the warp.
+    E4M3 after the two-step scaling), with the amax and the flag reduced across the warp. A NaN block or an
+    exponent outside `abi.FAST_EXP` tags the row's flag word with ``cur``.
     """
     a = val & v1.F32_ABS
     finite = a < v1.F32_INF
@@ -340,30 +399,36 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     n = cutlass.select_(finite, v1._e4m3_int(q), Int32(0))
     m = cutlass.select_(n < 0, -n, n)
     sgn = cutlass.select_(n < 0, Int32(-1), Int32(1))
-    _st_u8(planes + lane, sgn * (m & 127))
-    _st_u8(planes + 32 + lane, sgn * ((m >> 7) & 127))
-    _st_u8(planes + 64 + lane, sgn * (m >> 14))
+    mask = (1 << abi.DIGIT_BITS) - 1
+    _st_u8(planes + lane, sgn * (m & mask))
+    _st_u8(planes + 32 + lane, sgn * ((m >> abi.DIGIT_BITS) & mask))
+    _st_u8(planes + 64 + lane, sgn * (m >> (2 * abi.DIGIT_BITS)))
     if lane == 0:
-      v1._st(exp_addr, cutlass.select_(bad != 0, Int32(abi.NAN_EXPONENT), e + v1.FP4_DOT_SHIFT))
+      xe = e + v1.FP4_DOT_SHIFT
+      v1._st(exp_addr, cutlass.select_(bad != 0, Int32(abi.NAN_WORD), xe << v1.F32_MANT_BITS))
+      if (bad != 0) | (xe < abi.FAST_EXP[0]) | (xe > abi.FAST_EXP[1]):
+        v1._st(flag_addr, cur)
 
   @cute.jit
   def _item(self, g2: cutlass.Constexpr, e: Int32, j: Int32, count: Int32, rwb: Int64, pw: Int64, psc: Int64,
-            wsb: Int64, c_bits: Int32, ctl: Int32, pipe: Int32):
-    """One GEMM1 (g2 False) or GEMM2 item: the expert's rows in chunks of `CHUNK`, each through `_chunk`."""
-    for n0 in range(0, count, CHUNK):
-      rem = cutlass.min(count - n0, CHUNK)
+            wsb: Int64, c_bits: Int32, cur: Int32, ctl: Int32, pipe: Int32):
+    """One GEMM1 (g2 False) or GEMM2 item: the expert's rows in passes of up to 8 `nt_max` rows (`_chunk`)."""
+    for n0 in range(0, count, 8 * self.nt_max):
+      rem = cutlass.min(count - n0, 8 * self.nt_max)
       if rem <= 8:
-        self._chunk(g2, 1, e, j, n0, count, rwb, pw, psc, wsb, c_bits, ctl, pipe)
+        self._chunk(g2, 1, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe)
       elif rem <= 16:
-        self._chunk(g2, 2, e, j, n0, count, rwb, pw, psc, wsb, c_bits, ctl, pipe)
-      elif rem <= 32:
-        self._chunk(g2, 4, e, j, n0, count, rwb, pw, psc, wsb, c_bits, ctl, pipe)
+        self._chunk(g2, 2, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe)
       else:
-        self._chunk(g2, 8, e, j, n0, count, rwb, pw, psc, wsb, c_bits, ctl, pipe)
+        if cutlass.const_expr(self.nt_max > 2):
+          if rem <= 32:
+            self._chunk(g2, 4, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe)
+          else:
+            self._chunk(g2, 8, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe)
 
   @cute.jit
   def _chunk(self, g2: cutlass.Constexpr, nt: cutlass.Constexpr, e: Int32, j: Int32, n0: Int32, count: Int32,
-             rwb: Int64, pw: Int64, psc: Int64, wsb: Int64, c_bits: Int32, ctl: Int32, pipe: Int32):
+             rwb: Int64, pw: Int64, psc: Int64, wsb: Int64, c_bits: Int32, cur: Int32, ctl: Int32, pipe: Int32):
     v, ws = self.v, self.ws
     tid, _, _ = cute.arch.thread_idx()
     warp = tid // 32
@@ -376,30 +441,32 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     nblk = self.nblk_i if cutlass.const_expr(g2) else self.nblk_h
     planes = wsb + (ws.aplanes if cutlass.const_expr(g2) else ws.xplanes)
     exps = wsb + (ws.aexp if cutlass.const_expr(g2) else ws.xexp)
+    flags = wsb + (ws.aflag if cutlass.const_expr(g2) else ws.xflag)
     st_bytes = stage_bytes(nt)
-    n_st = stages(nt)
-    xe_off = W_BYTES + SC_BYTES
-    xp_off = xe_off + slots * 16
+    n_st = stages(nt, self.pipe_bytes)
     pw_e = pw + Int64(e) * (kb_n * n_rows * v1.FP4_TILE_BYTES)
     psc_e = psc + Int64(e) * (n_rows * kb_n * v1.WORD_BYTES)
     row0 = j * TILE_M
 
-    # Slot table: the B operand's source row (token for GEMM1, assignment for GEMM2; -1 = padding).
+    # Slot table: the B operand's source row (token for GEMM1, assignment for GEMM2; -1 = padding); whether any
+    # row of the chunk is flagged for the slow path.
+    slow_row = Int32(0)
     if tid < slots:
       n = n0 + tid
       src = Int32(-1)
       asg = Int32(-1)
       rw = Int32(0)
       if n < count:
-        asg = v1._ld(wsb + ws.rows + (Int64(e) * (v.capacity * v.top_k) + n) * v1.WORD_BYTES)
+        asg = _ld_gpu(wsb + ws.rows + (Int64(e) * (v.capacity * v.top_k) + n) * v1.WORD_BYTES)
         src = asg
         if cutlass.const_expr(not g2):
           src = asg // v.top_k
           rw = v1._ld_nc(rwb + Int64(asg) * v1.WORD_BYTES)
+        slow_row = cutlass.select_(_ld_gpu(flags + Int64(src) * 4) == cur, Int32(1), Int32(0))
       _sts(ctl + CTL_SLOT_SRC + tid * 4, src)
       _sts(ctl + CTL_SLOT_ASG + tid * 4, asg)
       _sts(ctl + CTL_SLOT_RW + tid * 4, rw)
-    cute.arch.sync_threads()
+    rows_fast = 1 - _bar_or(slow_row)
 
     # ---- mainloop -------------------------------------------------------------------------------------------
     acc = cute.make_rmem_tensor(4 * nt, Int32)
@@ -418,46 +485,12 @@ class RoleKernelsV2(v1.RoleKernelsV1):
                     ctl)
       _commit()
       sb = pipe + (kb % n_st) * st_bytes
-      # Weight fragments of K32 blocks 0-3: thread (g, t4) gets word t4 (nibbles 8 t4..8 t4 + 7) of rows g, g + 8.
-      q = lane // 8
-      r = 16 * warp + (q % 2) * 8 + lane % 8
-      sw = (r // 2) % 4
-      m01 = _ldsm_x4(sb + r * 64 + (((q // 2) ^ sw) << 4))
-      m23 = _ldsm_x4(sb + r * 64 + (((2 + q // 2) ^ sw) << 4))
-      words = (m01[0], m01[1], m01[2], m01[3], m23[0], m23[1], m23[2], m23[3])
-      scw0 = _lds(sb + W_BYTES + (16 * warp + g) * 4)
-      scw1 = _lds(sb + W_BYTES + (16 * warp + g + 8) * 4)
-      for s in cutlass.range_constexpr(v1.SUBS):
-        w0 = words[2 * s]
-        w1 = words[2 * s + 1]
-        a = (_dec4(w0), _dec4(w1), _dec4(w0 >> 16), _dec4(w1 >> 16))
-        ew0 = (scw0 >> (8 * s)) & 0xFF
-        ew1 = (scw1 >> (8 * s)) & 0xFF
-        for i in cutlass.range_constexpr(nt):
-          xp = sb + xp_off + (8 * i + g) * TOKEN_STRIDE + s * BLOCK_BYTES + 8 * t4
-          b0 = _lds2(xp)
-          b1 = _lds2(xp + 32)
-          b2 = _lds2(xp + 64)
-          d0 = _mma_s8(a, b0[0], b0[1])
-          d1 = _mma_s8(a, b1[0], b1[1])
-          d2 = _mma_s8(a, b2[0], b2[1])
-          ex0 = _lds(sb + xe_off + (8 * i + 2 * t4) * 16 + 4 * s)
-          ex1 = _lds(sb + xe_off + (8 * i + 2 * t4 + 1) * 16 + 4 * s)
-          # n + 127 per C element: (row g, col 2t4), (g, 2t4 + 1), (g + 8, 2t4), (g + 8, 2t4 + 1).
-          nb = (ew0 + ex0, ew0 + ex1, ew1 + ex0, ew1 + ex1)
-          lo = cutlass.min(cutlass.min(nb[0], nb[1]), cutlass.min(nb[2], nb[3]))
-          hi = cutlass.max(cutlass.max(nb[0], nb[1]), cutlass.max(nb[2], nb[3]))
-          fast = (lo >= SCALE_FAST_LO) & (hi <= SCALE_FAST_HI)
-          for c in cutlass.range_constexpr(4):
-            dsum = d0[c] + (d1[c] << 7) + (d2[c] << 14)
-            df = v1._i2f(dsum)
-            if fast:
-              acc[4 * i + c] = _fma(df, nb[c] << v1.F32_MANT_BITS, acc[4 * i + c])
-            else:
-              p = v1._scale_pow2(df, nb[c] - v1.F32_BIAS)
-              exn = ex1 if c % 2 else ex0
-              p = cutlass.select_(exn >= abi.NAN_EXPONENT, Int32(v1.F32_QNAN), p)
-              acc[4 * i + c] = v1._fadd(acc[4 * i + c], p)
+      scw = (_lds(sb + W_BYTES + (16 * warp + g) * 4), _lds(sb + W_BYTES + (16 * warp + g + 8) * 4))
+      byte_ok = (((scw[0] ^ (scw[0] << 1)) & (scw[1] ^ (scw[1] << 1))) & SCALE_BYTE_BITS) == SCALE_BYTE_BITS
+      if (rows_fast != 0) & byte_ok:
+        self._stage(True, nt, sb, scw, acc)
+      else:
+        self._stage(False, nt, sb, scw, acc)
     _wait_group(0)
     cute.arch.sync_threads()  # the pipeline area is free: the epilogue reuses it
 
@@ -495,8 +528,64 @@ class RoleKernelsV2(v1.RoleKernelsV1):
           asg = _lds(ctl + CTL_SLOT_ASG + slot * 4)
           val = _lds_u16(pipe + (slot * 64 + 32 * half + lane) * 2) << v1.BF16_SHIFT
           blk = Int64(asg) * self.nblk_i + 2 * j + half
-          self._quantize_lane(val, lane, wsb + ws.aplanes + blk * BLOCK_BYTES, wsb + ws.aexp + blk * 4)
+          self._quantize_lane(val, lane, wsb + ws.aplanes + blk * BLOCK_BYTES, wsb + ws.aexp + blk * 4,
+                              wsb + ws.aflag + Int64(asg) * 4, cur)
     cute.arch.sync_threads()  # the slot table and the pipeline area are rewritten by the next chunk
+
+  @cute.jit
+  def _stage(self, fast: cutlass.Constexpr, nt: cutlass.Constexpr, sb: Int32, scw, acc: cute.Tensor):
+    """The MMAs and the exact epilogue of one K128 stage: ``acc += f32(D_b) * 2**n_b`` for its four K32 blocks.
+
+    D = S0 + 2**6 S1 + 2**12 S2 comes out of a chain of three MMAs: S1; T + MAGIC = A B0 + (64 S1 + MAGIC);
+    S2 + MAGIC = A B2 + MAGIC. f32(T) and f32(S2) are exact float subtractions of the magic and f32(D) =
+    RN(4096 f32(S2) + f32(T)) is one FMA (= cvt.rn of D). Fast path (``n + 127`` in [1, 226] everywhere, see
+    `SCALE_BYTE_BITS`): ``acc = fma(f32(D), 2**n, acc)`` rounds like v1's mul + add because the product is exact
+    and normal. Slow path: v1's two-step scaling, NaN blocks and add.
+    """
+    tid, _, _ = cute.arch.thread_idx()
+    warp = tid // 32
+    lane = tid % 32
+    g = lane // 4
+    t4 = lane % 4
+    slots = 8 * nt
+    xe_off = W_BYTES + SC_BYTES
+    xp_off = xe_off + slots * 16
+    magic4 = (Int32(MAGIC), Int32(MAGIC), Int32(MAGIC), Int32(MAGIC))
+    zero4 = (Int32(0), Int32(0), Int32(0), Int32(0))
+    # Weight fragments: thread (g, t4) gets word t4 (nibbles 8 t4..8 t4 + 7) of rows g and g + 8 of each block,
+    # decoded once per stage (16 registers) and reused by every n-tile.
+    q = lane // 8
+    r = 16 * warp + (q % 2) * 8 + lane % 8
+    sw = (r // 2) % 4
+    m01 = _ldsm_x4(sb + r * 64 + (((q // 2) ^ sw) << 4))
+    m23 = _ldsm_x4(sb + r * 64 + (((2 + q // 2) ^ sw) << 4))
+    words = (m01[0], m01[1], m01[2], m01[3], m23[0], m23[1], m23[2], m23[3])
+    a_all = tuple((_dec4(words[2 * s]), _dec4(words[2 * s + 1]), _dec4(words[2 * s] >> 16),
+                   _dec4(words[2 * s + 1] >> 16)) for s in range(v1.SUBS))
+    for i in cutlass.range_constexpr(nt):
+      for s in cutlass.range_constexpr(v1.SUBS):
+        a = a_all[s]
+        wb = (((scw[0] >> (8 * s)) & 0xFF), ((scw[1] >> (8 * s)) & 0xFF))
+        xp = sb + xp_off + (8 * i + g) * TOKEN_STRIDE + s * BLOCK_BYTES + 8 * t4
+        b0 = _lds2(xp)
+        b1 = _lds2(xp + 32)
+        b2 = _lds2(xp + 64)
+        s1 = _mma_s8(a, b1, zero4)
+        r0 = _mma_s8(a, b0, tuple(s1[c] * (1 << abi.DIGIT_BITS) + MAGIC for c in range(4)))
+        r2 = _mma_s8(a, b2, magic4)
+        # Exponent words of block s of this thread's two columns (slots 8 i + 2 t4 and + 1).
+        xe = (_lds(sb + xe_off + (8 * i + 2 * t4) * 16 + 4 * s), _lds(sb + xe_off + (8 * i + 2 * t4 + 1) * 16 + 4 * s))
+        for c in cutlass.range_constexpr(4):
+          xw = xe[c % 2]
+          tf = v1._fadd(r0[c], MAGIC_NEG)
+          sf = v1._fadd(r2[c], MAGIC_NEG)
+          df = _fma(sf, F32_4096, tf)  # f32(D), rounded once (= cvt.rn.f32.s32 of D)
+          if cutlass.const_expr(fast):
+            acc[4 * i + c] = _fma(df, xw + (wb[c // 2] << v1.F32_MANT_BITS), acc[4 * i + c])
+          else:
+            p = v1._scale_pow2(df, (xw >> v1.F32_MANT_BITS) + wb[c // 2] - v1.F32_BIAS)
+            p = cutlass.select_(xw == abi.NAN_WORD, Int32(v1.F32_QNAN), p)
+            acc[4 * i + c] = v1._fadd(acc[4 * i + c], p)
 
   @cute.jit
   def _issue(self, kb: Int32, sb: Int32, slots: cutlass.Constexpr, pw_e: Int64, psc_e: Int64, row0: Int32,
