@@ -64,6 +64,8 @@ def test_occupancy_rewrites_follow_eq4(modules):
   capped = ptx.rewrite_max_registers(two, entry, ctas=2, threads=256)
   assert re.search(r"^\.maxnreg 128$", capped, re.M)  # 65536 / (2 * 256), 16-aligned
   assert ptx.rewrite_max_registers(text, entry, ctas=1, threads=256) == text  # no ceiling at one CTA per SM
+  # Idempotent: rewriting a rewritten module changes nothing (no line break lost around the directives).
+  assert ptx.rewrite_max_registers(ptx.rewrite_min_ctas(capped, entry, 2), entry, ctas=2, threads=256) == capped
   with pytest.raises(ptx.PtxError, match="entry 'nope' not found"):
     ptx.rewrite_min_ctas(text, "nope", 2)
 

@@ -11,10 +11,11 @@ A variant (`Variant`) is what the role kernels specialise on: H, I, E, k, the to
   configuration (block, grid hint, dynamic SMEM), the static SMEM, registers, local memory, and the parameters as
   the PTX declares them.
 
-The key is ``<variant.key>-<arch>-<generation>-<first 12 hex of the source SHA-256>``; a cached directory is reused only when its
-``meta.json`` names the installed CuTe DSL versions. Builds go to a temporary directory that is renamed into place,
-so readers never see half a build. A build fails, naming the role and the variant, when the PTX entry does not
-declare exactly the ABI's parameters (`abi.PARAMS`) or the kernel uses local memory (spills).
+The key is ``<variant.key>-<arch>-<generation>-<first 12 hex of the source SHA-256>``; a cached directory is
+reused only when its ``meta.json`` names the installed CuTe DSL versions. Builds go to a temporary directory that is
+renamed into place, so readers never see half a build. A build fails, naming the role and the variant, when the
+PTX entry does not declare exactly the ABI's parameters (`abi.PARAMS`) or the kernel uses local memory (spills;
+`_SPILL_BUDGET` for the two-CTA role 2).
 
 `load_or_build` is what the runtime calls: from ``$GCMOE_CUBIN_DIR`` when set (cubins built elsewhere, e.g. by
 ``python -m gcmoe_jax build-kernels``), else from the local cache, compiling with CuTe DSL when it is installed.
@@ -69,7 +70,7 @@ _PTX_PARAM_TYPES = (".u64",) * abi.NUM_POINTER_PARAMS + (".u32", ".f32")
 _PTX_TYPE_BYTES = {".u64": 8, ".u32": 4, ".f32": 4, ".s32": 4, ".b32": 4, ".b64": 8}
 _STATIC_SMEM_LIMIT = 48 * 1024  # static __shared__ above this needs dynamic SMEM
 # Local memory (spill) bytes a role may use. Role 2 of the two-CTA variants runs at a 128-register cap and ptxas
-# spills 8-24 B there (docs/kernels_v2.md); every other kernel must not spill.
+# spills 8-16 B there at the paper shapes (docs/kernels_v2.md); every other kernel must not spill.
 _SPILL_BUDGET = {2: 32}
 
 

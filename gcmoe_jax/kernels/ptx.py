@@ -65,11 +65,13 @@ def _entry_directive(ptx: str, entry: str, directive: str, value: str) -> str:
   if m is None:
     raise PtxError(f"ptx: entry {entry!r} not found")
   head, directives = m.group(1), m.group(2)
-  existing = re.findall(rf"^\s*{re.escape(directive)}\s+\d+\s*$", directives, re.M)
+  # [ \t] rather than \s around the directive: a rewrite must not eat the line breaks around it (idempotence).
+  existing = re.findall(rf"^[ \t]*{re.escape(directive)}[ \t]+\d+[ \t]*$", directives, re.M)
   if len(existing) > 1:
     raise PtxError(f"ptx: entry {entry!r} declares {directive} {len(existing)} times")
   if existing:
-    directives = re.sub(rf"^(\s*){re.escape(directive)}\s+\d+\s*$", rf"\g<1>{directive} {value}", directives, flags=re.M)
+    directives = re.sub(rf"^([ \t]*){re.escape(directive)}[ \t]+\d+[ \t]*$", rf"\g<1>{directive} {value}",
+                        directives, flags=re.M)
   else:
     directives = directives.rstrip("\n") + f"\n{directive} {value}\n"
   return ptx[:m.start()] + head + directives + ptx[m.start(3):]
