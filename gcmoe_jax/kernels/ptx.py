@@ -152,12 +152,14 @@ def ptxas_release(ptxas: str) -> tuple[int, int]:
 
 
 def assemble(ptx: str, arch: str, *, ptxas: str | None = None) -> bytes:
-  """Assembles PTX to a cubin with ``ptxas`` (default: the one on PATH), after the version rewrite it needs.
+  """Assembles PTX to a cubin with ``ptxas`` (default: the one on PATH, else /usr/local/cuda), after the version
+  rewrite it needs.
 
   Raises:
     PtxError: no ptxas, an unknown release, or ptxas failing (its message included).
   """
-  ptxas = ptxas or shutil.which("ptxas")
+  ptxas = ptxas or shutil.which("ptxas") or next(
+    (p for p in ("/usr/local/cuda/bin/ptxas",) if Path(p).is_file()), None)
   if ptxas is None:
     raise PtxError("ptx: no ptxas on PATH (install a CUDA toolkit or the nvidia-cuda-nvcc wheel, or pass ptxas=)")
   release = ptxas_release(ptxas)
