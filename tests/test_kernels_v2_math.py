@@ -1,0 +1,98 @@
+"""The arithmetic of the v2 compute role's exact Hopper seam (docs/kernels_v2.md), checked on the CPU.
+
+The GPU tests prove the kernels bit-exact on sampled inputs; these check the invariants the exactness argument
+rests on, over every E2M1 code and E4M3 value and the worst-case sums: the prmt decode tables, the digit planes, the
+magic-number conversion bounds, and the fast path's exponent window.
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+pytest.importorskip("cutlass")  # roles_v2 imports CuTe DSL (its constants are what the kernel uses)
+
+from gcmoe_jax.kernels import abi  # noqa: E402
+from gcmoe_jax.kernels import roles_v2 as r2  # noqa: E402
+
+E2M1_X2 = np.array([0, 1, 2, 3, 4, 6, 8, 12], np.int64)  # 2 w of the codes 0..7 (formats.py)
+E4M3_INTS = np.round(np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64) * 512)
+E4M3_INTS = E4M3_INTS[np.isfinite(E4M3_INTS)].astype(np.int64)  # 512 v of every finite E4M3 value
+
+
+def _prmt(a: int, b: int, c: int) -> int:
+  """PTX prmt.b32 (default mode): output byte i = byte (c >> 4 i) & 7 of {b, a}, or its sign if bit 3 is set."""
+  pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+  out = 0
+  for i in range(4):
+    sel = (c >> (4 * i)) & 0xF
+    byte = pool[sel & 7]
+    if sel & 8:
+      byte = 0xFF if byte & 0x80 else 0
+    out |= byte << (8 * i)
+  return out
+
+
+def _dec4(w: int) -> list[int]:
+  """`roles_v2._dec4` on a 32-bit word: the int8 values of the E2M1 codes in nibbles 0-3."""
+  u = lambda v: v & 0xFFFFFFFF  # noqa: E731
+  sel = w & 0x7777
+  pos = _prmt(u(r2.POS_LO), u(r2.POS_HI), sel)
+  neg = _prmt(u(r2.NEG_LO), u(r2.NEG_HI), sel)
+  m = _prmt(u(r2.SIGN_SELECT), 0, (w >> 3) & 0x1111)
+  v = (pos & ~m | neg & m) & 0xFFFFFFFF
+  return [int(np.int8(np.uint8((v >> (8 * i)) & 0xFF))) for i in range(4)]
+
+
+def test_e2m1_decode_tables_give_2w_for_every_code():
+  rng = np.random.default_rng(0)
+  for _ in range(2000):
+    codes = rng.integers(0, 16, 4)
+    word = sum(int(c) << (4 * i) for i, c in enumerate(codes)) | (int(rng.integers(0, 1 << 16)) << 16)
+    want = [int(E2M1_X2[c & 7]) * (-1 if c & 8 else 1) for c in codes]
+    assert _dec4(word) == want, (hex(word), codes)
+
+
+def test_digit_planes_rebuild_every_e4m3_value_within_int8():
+  n = np.concatenate([E4M3_INTS, -E4M3_INTS])
+  m = np.abs(n)
+  sgn = np.where(n < 0, -1, 1)
+  bits = abi.DIGIT_BITS
+  d = [sgn * (m & ((1 << bits) - 1)), sgn * ((m >> bits) & ((1 << bits) - 1)), sgn * (m >> (2 * bits))]
+  np.testing.assert_array_equal(d[0] + (d[1] << bits) + (d[2] << (2 * bits)), n)
+  assert max(np.abs(p).max() for p in d) <= 127 and abi.PLANES == 3
+  assert np.abs(d[2]).max() == 229376 >> 12 == 56  # the top digit of 448 * 512
+
+
+def test_magic_number_conversion_is_exact_at_the_worst_case_sums():
+  top = 32 * 12  # 32 products per K32 block, |2 w| <= 12
+  t_max = top * 63 + 64 * top * 63  # |S0 + 64 S1| with every digit at 63
+  s2_max = top * 56
+  assert t_max < 2**21 and s2_max < 2**15  # the documented bounds; the magic trick needs < 2**22
+  rng = np.random.default_rng(1)
+  t = np.concatenate([[t_max, -t_max, 0, 1, -1], rng.integers(-t_max, t_max + 1, 20000)])
+  s2 = np.concatenate([[s2_max, -s2_max, 0, 1, -1], rng.integers(-s2_max, s2_max + 1, 20000)])
+  as_f32 = lambda v: (np.int64(r2.MAGIC) + v).astype(np.int32).view(np.float32)  # noqa: E731
+  magic = np.int32(r2.MAGIC_NEG).view(np.float32)
+  tf = as_f32(t) + magic  # float32 arithmetic, as add.rn.f32
+  sf = as_f32(s2) + magic
+  np.testing.assert_array_equal(tf, t.astype(np.float32))
+  np.testing.assert_array_equal(sf, s2.astype(np.float32))
+  # fma(sf, 4096, tf): 4096 sf + tf is an exact integer below 2**27 in float64, rounded once to float32 = cvt.rn(D).
+  d = t + 4096 * s2
+  np.testing.assert_array_equal((sf.astype(np.float64) * 4096 + tf).astype(np.float32), d.astype(np.float32))
+
+
+def test_fast_path_window_keeps_the_scaled_block_exact_and_normal():
+  lo_exp, hi_exp = abi.FAST_EXP
+  nb = np.array([64 + lo_exp, 191 + hi_exp])  # byte in [64, 191] (bits 7 and 6 differ) plus e - 10
+  assert nb.min() >= 1 and nb.max() <= 226
+  for byte in range(256):  # the stage check: bits 7 and 6 of every scale byte differ
+    word = byte * 0x01010101
+    ok = ((word ^ (word << 1)) & 0x80808080) == 0x80808080
+    assert ok == (64 <= byte <= 191), byte
+  # f32(D) * 2**n with |D| < 2**27 and n + 127 in [1, 226]: no overflow, and normal unless D == 0.
+  for n in (1 - 127, 226 - 127):
+    for d in (1.0, 3.0, 2.0**27 - 1):
+      fd = np.float32(d)  # f32(D), already rounded
+      p = fd * np.float32(2.0**n)
+      assert np.isfinite(p) and abs(p) >= np.finfo(np.float32).tiny and float(p) == float(fd) * 2.0**n
