@@ -171,6 +171,20 @@ def test_cli_builds_into_out(built, cache, capsys):
   assert {e["key"] for e in index} >= {build.cache_key(a, SMALL) for a in build.ARCHS}
 
 
+@needs_dsl
+def test_cli_builds_in_worker_processes(tmp_path, capsys):
+  """--jobs 2: two variants compiled at once in spawned workers, each landing whole under its key."""
+  status = cli_main(["build-kernels", "--out", str(tmp_path), "--jobs", "2", "--json", "--variant", "512,256,8,1,8",
+                     "--variant", "512,256,8,8,8"])
+  report = json.loads(capsys.readouterr().out)
+  assert status == 0 and len(report["builds"]) == 2, report
+  for b in report["builds"]:
+    meta = json.loads((tmp_path / b["key"] / "meta.json").read_text())
+    assert meta["key"] == b["key"] and b["ctas_per_sm"][1] == meta["roles"][1]["ctas_per_sm"]
+  assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "a temporary build was left behind"
+  assert cli_main(["build-kernels", "--out", str(tmp_path), "--jobs", "-1", "--variant", "512,256,8,1,8"]) == 2
+
+
 def test_cubin_dir_missing_key_names_it_and_lists_what_is_present(tmp_path, monkeypatch):
   (tmp_path / "h512_i256_e8_k4_t16-sm_90a-000000000000").mkdir()
   (tmp_path / "h512_i256_e8_k4_t16-sm_90a-000000000000" / "meta.json").write_text("{}")

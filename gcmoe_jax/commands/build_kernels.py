@@ -12,7 +12,9 @@ builds. Point ``GCMOE_CUBIN_DIR`` at OUT on the GPU machine.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import multiprocessing
 import os
 import pathlib
 import sys
@@ -46,8 +48,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
   """Adds the `build-kernels` command to the CLI's subparsers."""
   p = subparsers.add_parser(
     "build-kernels", help="compile the role kernels to cubins (CuTe DSL, no GPU needed)",
-    description="Compile the three role kernels (gcmoe_jax/kernels/roles_v1.py) of each variant to cubins with "
-                "CuTe DSL, into OUT/<key>/ with a meta.json manifest; then set GCMOE_CUBIN_DIR=OUT on the GPU host.")
+    description="Compile the three role kernels (of the generation GCMOE_KERNELS selects: v2 by default) of each "
+                "variant to cubins with CuTe DSL, into OUT/<key>/ with a meta.json manifest; then set "
+                "GCMOE_CUBIN_DIR=OUT on the GPU host.")
   p.add_argument("--arch", default="sm_90a",
                  help="target architecture(s): sm_90a, sm_120a, or a comma list (default sm_90a)")
   p.add_argument("--out", required=True, type=pathlib.Path, help="output directory (a cubin cache; reused)")
@@ -57,6 +60,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
   p.add_argument("--preset", choices=sorted(PRESETS), action="append", default=[],
                  help="a named set of variants (tests: the GPU check set of docs/kernels.md)")
   p.add_argument("--force", action="store_true", help="rebuild even when OUT holds a matching build")
+  p.add_argument("--jobs", type=int, default=1,
+                 help="variants compiled at once in worker processes (default 1; 0: one per CPU core)")
   p.add_argument("--json", action="store_true", help="print the manifests' summaries as JSON")
   p.set_defaults(func=run)
 
@@ -85,6 +90,34 @@ def _write_index(out: pathlib.Path, entries: list[dict]) -> None:
   os.replace(tmp, path)
 
 
+def _build_one(job: tuple) -> tuple[dict | None, str | None, float]:
+  """(manifest, None, seconds) or (None, the build error, seconds) of one (arch, variant, out, force)."""
+  from gcmoe_jax.kernels import build
+
+  arch, v, out, force = job
+  t = time.perf_counter()
+  try:
+    return build.compile_variant(arch, v, cache_dir=out, force=force), None, time.perf_counter() - t
+  except build.BuildError as e:
+    return None, str(e), time.perf_counter() - t
+
+
+def _summary(meta: dict, arch: str, v, seconds: float, quiet: bool) -> dict:
+  sizes = [r["cubin_bytes"] for r in meta["roles"]]
+  summary = {"key": meta["key"], "arch": arch, "variant": v.to_dict(), "cubin_bytes": sizes,
+             "registers": [r["registers"] for r in meta["roles"]],
+             "static_smem": [r["static_smem"] for r in meta["roles"]],
+             "dynamic_smem": [r["dynamic_smem"] for r in meta["roles"]],
+             "local_bytes": [r["local_bytes"] for r in meta["roles"]],
+             "ctas_per_sm": [r.get("ctas_per_sm", 1) for r in meta["roles"]],
+             "entries": [r["entry"] for r in meta["roles"]], "seconds": round(seconds, 2)}
+  if not quiet:
+    print(f"{meta['key']:<58} cubins {sum(sizes) / 1024:8.1f} KiB  regs {summary['registers']}  role 2: SMEM "
+          f"{summary['dynamic_smem'][1]}+{summary['static_smem'][1]} B, local {summary['local_bytes'][1]} B, "
+          f"{summary['ctas_per_sm'][1]} CTA/SM  {summary['seconds']:6.1f} s", flush=True)
+  return summary
+
+
 def run(args: argparse.Namespace) -> int:
   from gcmoe_jax.kernels import build
 
@@ -103,25 +136,30 @@ def run(args: argparse.Namespace) -> int:
     print(f"build-kernels: CuTe DSL is not importable ({e}); `pip install nvidia-cutlass-dsl` (no GPU needed)",
           file=sys.stderr)
     return 1
+  if args.jobs < 0:
+    print(f"build-kernels: --jobs must be >= 0, got {args.jobs}", file=sys.stderr)
+    return 2
   t0 = time.perf_counter()
   summaries = []
-  for arch in archs:
-    for v in variants:
-      t = time.perf_counter()
-      try:
-        meta = build.compile_variant(arch, v, cache_dir=args.out, force=args.force)
-      except build.BuildError as e:
-        print(f"build-kernels: {e}", file=sys.stderr)
+  jobs = [(arch, v) for arch in archs for v in variants]
+  workers = min(len(jobs), args.jobs or os.cpu_count() or 1)
+  if workers > 1:
+    # Each worker compiles whole variants; builds land by atomic rename, so concurrent builds cannot collide.
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+      results = pool.map(_build_one, [(arch, v, args.out, args.force) for arch, v in jobs])
+      for (arch, v), (meta, error, seconds) in zip(jobs, results):
+        if error:
+          print(f"build-kernels: {error}", file=sys.stderr)
+          return 1
+        summaries.append(_summary(meta, arch, v, seconds, args.json))
+  else:
+    for arch, v in jobs:
+      meta, error, seconds = _build_one((arch, v, args.out, args.force))
+      if error:
+        print(f"build-kernels: {error}", file=sys.stderr)
         return 1
-      sizes = [r["cubin_bytes"] for r in meta["roles"]]
-      summary = {"key": meta["key"], "arch": arch, "variant": v.to_dict(), "cubin_bytes": sizes,
-                 "registers": [r["registers"] for r in meta["roles"]],
-                 "static_smem": [r["static_smem"] for r in meta["roles"]],
-                 "entries": [r["entry"] for r in meta["roles"]], "seconds": round(time.perf_counter() - t, 2)}
-      summaries.append(summary)
-      if not args.json:
-        print(f"{meta['key']:<58} cubins {sum(sizes) / 1024:8.1f} KiB  regs {summary['registers']}  "
-              f"smem {summary['static_smem'][1]} B  {summary['seconds']:6.1f} s", flush=True)
+      summaries.append(_summary(meta, arch, v, seconds, args.json))
   _write_index(args.out, summaries)
   total_bytes = sum(sum(s["cubin_bytes"]) for s in summaries)
   total_s = time.perf_counter() - t0
