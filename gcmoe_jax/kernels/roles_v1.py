@@ -366,6 +366,20 @@ def _st_bf16(addr, bits) -> None:
   cute.arch.store(_gptr(addr, Uint16), Uint16(bits))
 
 
+@cute.jit
+def _record_fault(wsb: Int64, role: cutlass.Constexpr, block: Int32, epoch: Int32, counter: Int32,
+                  observed: Int32) -> None:
+  """The error record of `abi.HEADER`, written once: the first fault wins the CAS on ``error_flag``."""
+  old = cute.arch.atomic_cas(_gptr(wsb + abi.HEADER["error_flag"]), cmp=Int32(0), val=Int32(1), sem="relaxed",
+                             scope="gpu")
+  if old == 0:
+    _st(wsb + abi.HEADER["error_role"], role)
+    _st(wsb + abi.HEADER["error_block"], block)
+    _st(wsb + abi.HEADER["error_epoch"], epoch)
+    _st(wsb + abi.HEADER["error_counter"], counter)
+    _st(wsb + abi.HEADER["error_observed"], observed)
+
+
 # ////////////////////////////////////////////////////////////////////////////////////////////////////////////////////
 # The kernels
 # ////////////////////////////////////////////////////////////////////////////////////////////////////////////////////
@@ -445,14 +459,7 @@ class RoleKernelsV1:
       for a in range(tid, n_assign, THREADS):
         eid = _ld_nc(idb + Int64(a) * WORD_BYTES)
         if eid >= v.experts:
-          old = cute.arch.atomic_cas(_gptr(wsb + abi.HEADER["error_flag"]), cmp=Int32(0), val=Int32(1),
-                                     sem="relaxed", scope="gpu")
-          if old == 0:
-            _st(wsb + abi.HEADER["error_role"], 1)
-            _st(wsb + abi.HEADER["error_block"], bid)
-            _st(wsb + abi.HEADER["error_epoch"], cur)
-            _st(wsb + abi.HEADER["error_counter"], eid)
-            _st(wsb + abi.HEADER["error_observed"], a)
+          _record_fault(wsb, 1, bid, cur, eid, a)
       # rows[e] = the assignments routed to e, in token order; ids < 0 (padding) match no expert.
       for e in range(tid, v.experts, THREADS):
         rows_e = wsb + ws.rows + Int64(e) * (v.capacity * v.top_k * WORD_BYTES)
@@ -558,13 +565,7 @@ class RoleKernelsV1:
       cute.arch.fence_acq_rel_gpu()  # the CTA reads rows[e] after the barrier that follows
       count = _ld(wsb + self.ws.count + Int64(e) * WORD_BYTES)
     elif fault == 0:  # the bound expired: record it once (the first fault wins)
-      old = cute.arch.atomic_cas(flag, cmp=Int32(0), val=Int32(1), sem="relaxed", scope="gpu")
-      if old == 0:
-        _st(wsb + abi.HEADER["error_role"], 2)
-        _st(wsb + abi.HEADER["error_block"], bid)
-        _st(wsb + abi.HEADER["error_epoch"], cur)
-        _st(wsb + abi.HEADER["error_counter"], e)
-        _st(wsb + abi.HEADER["error_observed"], seen)
+      _record_fault(wsb, 2, bid, cur, e, seen)
     return ok, count
 
   @cute.jit

@@ -186,6 +186,13 @@ def _fma(a, b, c) -> Int32:
   return v1._float_op("fma.rn.ftz.f32", a, b, c)
 
 
+def _lanes():
+  """(warp, lane, g, t4) of this thread: its warp, and its row group g and column pair t4 in MMA fragments."""
+  tid, _, _ = cute.arch.thread_idx()
+  lane = tid % 32
+  return tid // 32, lane, lane // 4, lane % 4
+
+
 def _red_release_add(addr, v) -> None:
   cute.arch.inline_ptx("red.release.gpu.global.add.u32 [{$r0}], {$r1};", read_only_args=[addr, Int32(v)])
 
@@ -368,13 +375,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       ok = Int32(1)
       cute.arch.fence_acq_rel_gpu()
     elif fault == 0:
-      old = cute.arch.atomic_cas(flag, cmp=Int32(0), val=Int32(1), sem="relaxed", scope="gpu")
-      if old == 0:
-        v1._st(wsb + abi.HEADER["error_role"], 2)
-        v1._st(wsb + abi.HEADER["error_block"], bid)
-        v1._st(wsb + abi.HEADER["error_epoch"], cur)
-        v1._st(wsb + abi.HEADER["error_counter"], what)
-        v1._st(wsb + abi.HEADER["error_observed"], seen)
+      v1._record_fault(wsb, 2, bid, cur, what, seen)
     return ok
 
   @cute.jit
@@ -431,10 +432,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
              rwb: Int64, pw: Int64, psc: Int64, wsb: Int64, c_bits: Int32, cur: Int32, ctl: Int32, pipe: Int32):
     v, ws = self.v, self.ws
     tid, _, _ = cute.arch.thread_idx()
-    warp = tid // 32
-    lane = tid % 32
-    g = lane // 4
-    t4 = lane % 4
+    warp, lane, g, t4 = _lanes()
     slots = 8 * nt
     n_rows = v.hidden if cutlass.const_expr(g2) else 2 * v.intermediate  # N of the weight tensor
     kb_n = (v.intermediate if cutlass.const_expr(g2) else v.hidden) // v1.K128
@@ -542,11 +540,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     `SCALE_BYTE_BITS`): ``acc = fma(f32(D), 2**n, acc)`` rounds like v1's mul + add because the product is exact
     and normal. Slow path: v1's two-step scaling, NaN blocks and add.
     """
-    tid, _, _ = cute.arch.thread_idx()
-    warp = tid // 32
-    lane = tid % 32
-    g = lane // 4
-    t4 = lane % 4
+    warp, lane, g, t4 = _lanes()
     slots = 8 * nt
     xe_off = W_BYTES + SC_BYTES
     xp_off = xe_off + slots * 16
