@@ -83,26 +83,5 @@ ffi::Error MoeCpuImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w13
 GCMOE_EXPORT XLA_FFI_Error* GcmoeMoeCpu(XLA_FFI_CallFrame* call_frame);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GcmoeMoeCpu, gcmoe::MoeCpuImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::AnyBuffer>()   // x          [T, H] bfloat16
-                                  .Arg<xla::ffi::AnyBuffer>()   // w13        [E, H/128, 2I, 64] int8 (E2M1 pairs)
-                                  .Arg<xla::ffi::AnyBuffer>()   // w13_scale  [E, 2I, H/128] int32 (UE8M0 x4)
-                                  .Arg<xla::ffi::AnyBuffer>()   // w2         [E, I/128, H, 64] int8
-                                  .Arg<xla::ffi::AnyBuffer>()   // w2_scale   [E, H, I/128] int32
-                                  .Arg<xla::ffi::AnyBuffer>()   // ids        [T, k] int32 (< 0: padding)
-                                  .Arg<xla::ffi::AnyBuffer>()   // weights    [T, k] float32
-                                  .Arg<xla::ffi::AnyBuffer>()   // s13        [H/128, 2Is, 128] int8 (E4M3) or [0, 0, 0]
-                                  .Arg<xla::ffi::AnyBuffer>()   // s13_scale  [2Is, ceil(H/(4g))] int32 or [0, 0]
-                                  .Arg<xla::ffi::AnyBuffer>()   // s2         [Is/128, H, 128] int8 (E4M3) or [0, 0, 0]
-                                  .Arg<xla::ffi::AnyBuffer>()   // s2_scale   [H, ceil(Is/(4g))] int32 or [0, 0]
-                                  .Ret<xla::ffi::AnyBuffer>()   // y          [T, H] bfloat16
-                                  .Attr<int64_t>("H")           // H          int64
-                                  .Attr<int64_t>("I")           // I          int64
-                                  .Attr<int64_t>("E")           // E          int64
-                                  .Attr<int64_t>("k")           // k          int64
-                                  .Attr<int64_t>("Is")          // Is         int64 (0: no shared expert)
-                                  .Attr<int64_t>("group")       // group      int64 (32, 128; 0: no shared expert)
-                                  .Attr<float>("clamp")         // clamp      float32 (read when flags has kMoeHasClamp)
-                                  .Attr<int64_t>("flags")       // flags      int64 (MoeFlags bits)
-                                  .Attr<std::string_view>("variant"));  // variant  str (CUDA kernel variant key)
+                              gcmoe::BindMoeAttrs(gcmoe::BindMoeBuffers(
+                                  xla::ffi::Ffi::Bind().Ctx<xla::ffi::ThreadPool>())));

@@ -12,6 +12,8 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <string_view>
+#include <utility>
 
 #include "common.h"
 #include "moe.h"
@@ -104,6 +106,42 @@ inline ffi::Error CheckMoeCall(const MoeAttrs& a, const MoeBuffers& b, int64_t* 
   GCMOE_RETURN_IF_ERROR(CheckBuffer(op, "y (result)", b.y, ffi::DataType::BF16, {t, h}));
   *tokens = t;
   return ffi::Error::Success();
+}
+
+// The buffers of gcmoe_moe, in the order gcmoe_jax/ffi/_moe.py passes them: one list for the CPU handler and the
+// CUDA execute stage, so the two cannot drift.
+template <typename Binding>
+auto BindMoeBuffers(Binding&& b) {
+  using xla::ffi::AnyBuffer;
+  return std::forward<Binding>(b)
+      .template Arg<AnyBuffer>()   // x          [T, H] bfloat16
+      .template Arg<AnyBuffer>()   // w13        [E, H/128, 2I, 64] int8 (E2M1 pairs)
+      .template Arg<AnyBuffer>()   // w13_scale  [E, 2I, H/128] int32 (UE8M0 x4)
+      .template Arg<AnyBuffer>()   // w2         [E, I/128, H, 64] int8
+      .template Arg<AnyBuffer>()   // w2_scale   [E, H, I/128] int32
+      .template Arg<AnyBuffer>()   // ids        [T, k] int32 (< 0: padding)
+      .template Arg<AnyBuffer>()   // weights    [T, k] float32
+      .template Arg<AnyBuffer>()   // s13        [H/128, 2Is, 128] int8 (E4M3) or [0, 0, 0]
+      .template Arg<AnyBuffer>()   // s13_scale  [2Is, ceil(H/(4g))] int32 or [0, 0]
+      .template Arg<AnyBuffer>()   // s2         [Is/128, H, 128] int8 (E4M3) or [0, 0, 0]
+      .template Arg<AnyBuffer>()   // s2_scale   [H, ceil(Is/(4g))] int32 or [0, 0]
+      .template Ret<AnyBuffer>();  // y          [T, H] bfloat16
+}
+
+// The attributes of gcmoe_moe (MoeAttrs, then the kernel variant key): one list for the CPU handler and the CUDA
+// instantiate stage.
+template <typename Binding>
+auto BindMoeAttrs(Binding&& b) {
+  return std::forward<Binding>(b)
+      .template Attr<int64_t>("H")
+      .template Attr<int64_t>("I")
+      .template Attr<int64_t>("E")
+      .template Attr<int64_t>("k")
+      .template Attr<int64_t>("Is")      // 0: no shared expert
+      .template Attr<int64_t>("group")   // 32, 128; 0: no shared expert
+      .template Attr<float>("clamp")     // read when flags has kMoeHasClamp
+      .template Attr<int64_t>("flags")   // MoeFlags bits
+      .template Attr<std::string_view>("variant");  // the CUDA kernel variant key
 }
 
 }  // namespace gcmoe

@@ -155,22 +155,22 @@ def prepare(hidden: int, intermediate: int, experts: int, top_k: int, tokens: in
   return _register(s.reason, variant, partition.dispatch_requested, partition.compute_sms, timeout_ns)
 
 
-def graph_instantiations() -> int:
-  """CUDA graphs instantiated in this process so far (one per call site, device and T; never per call)."""
-  lib = _library.library()
-  fn = lib.gcmoe_graph_instantiations
+def _process_counter(symbol: str) -> int:
+  """An ``int64_t symbol(void)`` counter exported by the FFI library."""
+  fn = getattr(_library.library(), symbol)
   fn.argtypes = []
   fn.restype = ctypes.c_int64
   return int(fn())
+
+
+def graph_instantiations() -> int:
+  """CUDA graphs instantiated in this process so far (one per call site, device and T; never per call)."""
+  return _process_counter("gcmoe_graph_instantiations")
 
 
 def live_states() -> int:
   """CUDA call-site states alive in this process (each owns workspaces, green contexts and graphs)."""
-  lib = _library.library()
-  fn = lib.gcmoe_live_states
-  fn.argtypes = []
-  fn.restype = ctypes.c_int64
-  return int(fn())
+  return _process_counter("gcmoe_live_states")
 
 
 def debug_set_stall_expert(expert: int) -> None:
