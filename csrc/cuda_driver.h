@@ -45,10 +45,10 @@ namespace gcmoe {
   X(cuMemcpyHtoDAsync) \
   X(cuMemHostAlloc) \
   X(cuMemFreeHost) \
+  X(cuMemHostGetDevicePointer) \
   X(cuGraphCreate) \
   X(cuGraphDestroy) \
   X(cuGraphAddKernelNode) \
-  X(cuGraphAddMemcpyNode) \
   X(cuGraphKernelNodeSetParams) \
   X(cuGraphInstantiateWithFlags) \
   X(cuGraphExecDestroy) \

@@ -3,7 +3,7 @@
 // Two stages: instantiate (symbol GcmoeMoeCudaInstantiate: once per call site and executable, attributes only) creates
 // the MoeCudaState that will own the workspace, green contexts and graphs; execute (symbol GcmoeMoeCudaExecute) runs
 // on XLA's stream. The state type is registered from Python (GcmoeMoeCudaStateTypeId / GcmoeMoeCudaStateTypeInfo)
-// before the target. Until issue 5 lands, execute checks its buffers and returns UNIMPLEMENTED.
+// before the target.
 //
 // Compiled by nvcc (CMakeLists.txt) so that device code can join this file; it has none yet.
 
@@ -27,8 +27,9 @@
 
 namespace gcmoe {
 
-// Per call site (XLA instantiates once per executable, not per device): the kernel variant, and one Runtime per
-// (device, T) built on first use, behind a mutex (PJRT runs each local device's call on its own thread).
+// Per call site (XLA instantiates once per executable, not per device): the kernel variant, and the Runtime of each
+// (device, T) taken from the process-wide graph cache on first use (shared with other call sites of the same key), behind
+// a mutex (PJRT runs each local device's call on its own thread).
 struct MoeCudaState {
   static ffi::TypeId id;
   static std::atomic<int64_t> live;  // states alive in this process (tests: dropped executables free theirs)
@@ -40,7 +41,7 @@ struct MoeCudaState {
   std::string variant;
   std::shared_ptr<const VariantSpec> spec;
   std::mutex mutex;
-  std::map<std::pair<int32_t, int64_t>, std::unique_ptr<Runtime>> runtimes;
+  std::map<std::pair<int32_t, int64_t>, std::shared_ptr<Runtime>> runtimes;
 };
 
 ffi::TypeId MoeCudaState::id = {};
@@ -85,7 +86,7 @@ ffi::Error MoeCudaExecute(CUstream stream, int32_t device_ordinal, MoeCudaState*
     if (slot == nullptr) {
       // +inf is exactly "no clamp" for the kernels: min(g, inf) = g, clip(u, -inf, inf) = u.
       const float clamp = state->attrs.has_clamp() ? state->attrs.clamp : HUGE_VALF;
-      slot = Runtime::Create(*cu, state->spec, stream, t, clamp, &why);
+      slot = Runtime::Get(*cu, state->spec, stream, t, clamp, &why);
       if (slot == nullptr) return ffi::Error::InvalidArgument(why);
     }
     rt = slot.get();

@@ -5,7 +5,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
+#include <iterator>
+#include <map>
 #include <string>
 #include <utility>
 
@@ -23,6 +26,7 @@ std::map<std::string, std::shared_ptr<const VariantSpec>>& Registry() {
 }
 
 std::atomic<int64_t> g_graph_instantiations{0};
+std::atomic<int64_t> g_live_runtimes{0};
 std::atomic<int32_t> g_stall_expert{-1};
 
 // Restores the thread's stream-capture mode on scope exit. Setup (allocation, library loads, green contexts) must
@@ -67,7 +71,16 @@ class ScopedContext {
       return CudaErrorMessage(cu_, gcmoe_rc_, #expr, __FILE__, __LINE__);  \
   } while (0)
 
-void RegisterVariant(const std::string& key, std::shared_ptr<const VariantSpec> spec) {
+void RegisterVariant(const std::string& key, std::shared_ptr<VariantSpec> spec) {
+  Sha256 sha;
+  sha.Add(spec->capacity).Add(spec->dispatch_sms).Add(spec->timeout_ns).Add(spec->ws_total).Add(spec->ws_silu_table);
+  sha.Add(spec->planned_compute_sms);
+  for (const RoleSpec& r : spec->role) {
+    sha.Add(r.grid).Add(r.block).Add(r.smem);
+    sha.Add(Sha256().Update(r.cubin.data(), r.cubin.size()).Finish());
+  }
+  sha.Add(Sha256().Update(spec->silu_table.data(), spec->silu_table.size() * sizeof(float)).Finish());
+  spec->digest = sha.Finish();
   std::lock_guard<std::mutex> lock(RegistryMutex());
   Registry()[key] = std::move(spec);
 }
@@ -79,14 +92,127 @@ std::shared_ptr<const VariantSpec> FindVariant(const std::string& key) {
 }
 
 int64_t GraphInstantiations() { return g_graph_instantiations.load(); }
+int64_t LiveRuntimes() { return g_live_runtimes.load(); }
 void SetStallExpert(int32_t e) { g_stall_expert.store(e); }
 
-std::unique_ptr<Runtime> Runtime::Create(const CudaDriver& cu, std::shared_ptr<const VariantSpec> spec,
-                                         CUstream stream, int64_t tokens, float clamp, std::string* error) {
-  std::unique_ptr<Runtime> rt(new Runtime(cu));
+namespace {
+
+// The dispatch/compute green-context pair of one (device, requested dispatch SMs), made with ONE split call and kept
+// for the process: every Runtime on that device and split uses it, and none destroys it, because the driver (580)
+// does not give back ~8.4 MB of device memory per destroyed pair (measured: scratch probe, docs/reliability.md).
+struct GreenPair {
+  Partition partition;
+  CUgreenCtx green[2] = {nullptr, nullptr};
+  CUcontext ctx[2] = {nullptr, nullptr};  // dispatch, compute
+};
+
+std::mutex& GreenMutex() {
+  static std::mutex* m = new std::mutex;
+  return *m;
+}
+
+std::string SplitDevice(const CudaDriver& cu_, CUdevice device, unsigned requested, GreenPair* out) {
+  GreenPair& g = *out;
+  CUdevResource all{};
+  GCMOE_CU(cu_.cuDeviceGetDevResource(device, &all, CU_DEV_RESOURCE_TYPE_SM));
+  g.partition.total_sms = all.sm.smCount;
+  g.partition.alignment = std::max(1u, all.sm.smCoscheduledAlignment);
+  const unsigned a = g.partition.alignment;
+  if (requested >= g.partition.total_sms) {
+    return "gcmoe_moe: dispatch SMs (GC_MOE_SM120_DISPATCH_SMS) = " + std::to_string(requested) +
+           " leaves no compute partition on a device with " + std::to_string(g.partition.total_sms) + " SMs";
+  }
+  const unsigned compute = (g.partition.total_sms - requested) / a * a;
+  if (compute < 32 || compute % 2 != 0 || g.partition.total_sms - compute < 2) {
+    return "gcmoe_moe: the green-context split of " + std::to_string(g.partition.total_sms) + " SMs (alignment " +
+           std::to_string(a) + ", " + std::to_string(requested) + " dispatch SMs requested) gives S_compute = " +
+           std::to_string(compute) + ", S_dispatch = " + std::to_string(g.partition.total_sms - compute) +
+           "; eq. 5 needs S_compute >= 32 and even, S_dispatch > 1";
+  }
+  CUdevResource groups[1]{};
+  CUdevResource rest{};
+  unsigned nb = 1;
+  GCMOE_CU(cu_.cuDevSmResourceSplitByCount(groups, &nb, &all, &rest, 0, compute));
+  if (nb != 1 || groups[0].sm.smCount < compute) {
+    return "gcmoe_moe: cuDevSmResourceSplitByCount gave " + std::to_string(nb) + " group(s) of " +
+           std::to_string(groups[0].sm.smCount) + " SMs for a compute partition of " + std::to_string(compute);
+  }
+  g.partition.compute_sms = groups[0].sm.smCount;
+  g.partition.dispatch_sms = rest.sm.smCount;
+  CUdevResourceDesc desc[2];
+  GCMOE_CU(cu_.cuDevResourceGenerateDesc(&desc[0], &rest, 1));
+  GCMOE_CU(cu_.cuDevResourceGenerateDesc(&desc[1], &groups[0], 1));
+  for (int i = 0; i < 2; ++i) {
+    GCMOE_CU(cu_.cuGreenCtxCreate(&g.green[i], desc[i], device, CU_GREEN_CTX_DEFAULT_STREAM));
+    GCMOE_CU(cu_.cuCtxFromGreenCtx(&g.ctx[i], g.green[i]));
+  }
+  return "";
+}
+
+// The process's pair for (device, requested), created on first use.
+std::string AcquireGreenPair(const CudaDriver& cu, CUdevice device, unsigned requested, const GreenPair** out) {
+  std::lock_guard<std::mutex> lock(GreenMutex());
+  static auto* pairs = new std::map<std::pair<CUdevice, unsigned>, std::unique_ptr<GreenPair>>;
+  auto& slot = (*pairs)[{device, requested}];
+  if (slot == nullptr) {
+    auto g = std::make_unique<GreenPair>();
+    std::string err = SplitDevice(cu, device, requested, g.get());
+    if (!err.empty()) {
+      for (CUgreenCtx gc : g->green)
+        if (gc) cu.cuGreenCtxDestroy(gc);
+      pairs->erase({device, requested});
+      return err;
+    }
+    slot = std::move(g);
+  }
+  *out = slot.get();
+  return "";
+}
+
+struct RuntimeCache {
+  std::mutex mutex;
+  std::map<Digest, std::weak_ptr<Runtime>> entries;
+};
+
+RuntimeCache& Cache() {
+  static auto* c = new RuntimeCache;
+  return *c;
+}
+
+}  // namespace
+
+std::shared_ptr<Runtime> Runtime::Get(const CudaDriver& cu, std::shared_ptr<const VariantSpec> spec,
+                                      CUstream stream, int64_t tokens, float clamp, std::string* error) {
+  CUcontext ctx = nullptr;
+  CUdevice device = 0;
+  CUresult rc = cu.cuStreamGetCtx(stream, &ctx);
+  if (rc == CUDA_SUCCESS) {
+    ScopedContext current(cu, ctx);
+    rc = current.status() != CUDA_SUCCESS ? current.status() : cu.cuCtxGetDevice(&device);
+  }
+  if (rc != CUDA_SUCCESS) {
+    *error = CudaErrorMessage(cu, rc, "cuStreamGetCtx/cuCtxGetDevice", __FILE__, __LINE__);
+    return nullptr;
+  }
+  // The graph-cache key: everything static about the launch. Per-call pointers are not in it (they are updated in
+  // the instantiated graph); the stream is, because sharing a workspace is safe only for calls that run in order.
+  Sha256 sha;
+  sha.Add(spec->digest).Add(tokens).Add(clamp).Add(device).Add(reinterpret_cast<uintptr_t>(stream));
+  const Digest key = sha.Finish();
+  RuntimeCache& cache = Cache();
+  std::lock_guard<std::mutex> lock(cache.mutex);
+  for (auto it = cache.entries.begin(); it != cache.entries.end();) {  // drop entries whose call sites are gone
+    it = it->second.expired() ? cache.entries.erase(it) : std::next(it);
+  }
+  if (auto hit = cache.entries[key].lock()) return hit;
+  std::shared_ptr<Runtime> rt(new Runtime(cu));
   RelaxedCaptureMode relaxed(cu);
   *error = rt->Init(std::move(spec), stream, tokens, clamp);
-  if (!error->empty()) return nullptr;
+  if (!error->empty()) {
+    cache.entries.erase(key);
+    return nullptr;
+  }
+  cache.entries[key] = rt;
   return rt;
 }
 
@@ -102,54 +228,25 @@ std::string Runtime::Init(std::shared_ptr<const VariantSpec> spec, CUstream stre
   GCMOE_CU(current.status());
   GCMOE_CU(cu_.cuCtxGetDevice(&device_));
 
-  // ---- Green contexts: ONE split call; the compute partition is the aligned group (eq. 5), dispatch the rest.
-  CUdevResource all{};
-  GCMOE_CU(cu_.cuDeviceGetDevResource(device_, &all, CU_DEV_RESOURCE_TYPE_SM));
-  partition_.total_sms = all.sm.smCount;
-  partition_.alignment = std::max(1u, all.sm.smCoscheduledAlignment);
-  const unsigned a = partition_.alignment;
-  const unsigned requested = static_cast<unsigned>(std::max<int64_t>(1, s.dispatch_sms));
-  if (requested >= partition_.total_sms) {
-    return "gcmoe_moe: dispatch SMs (GC_MOE_SM120_DISPATCH_SMS) = " + std::to_string(requested) +
-           " leaves no compute partition on a device with " + std::to_string(partition_.total_sms) + " SMs";
-  }
-  const unsigned compute = (partition_.total_sms - requested) / a * a;
-  if (compute < 32 || compute % 2 != 0 || partition_.total_sms - compute < 2) {
-    return "gcmoe_moe: the green-context split of " + std::to_string(partition_.total_sms) + " SMs (alignment " +
-           std::to_string(a) + ", " + std::to_string(requested) + " dispatch SMs requested) gives S_compute = " +
-           std::to_string(compute) + ", S_dispatch = " + std::to_string(partition_.total_sms - compute) +
-           "; eq. 5 needs S_compute >= 32 and even, S_dispatch > 1";
-  }
-  CUdevResource groups[1]{};
-  CUdevResource rest{};
-  unsigned nb = 1;
-  GCMOE_CU(cu_.cuDevSmResourceSplitByCount(groups, &nb, &all, &rest, 0, compute));
-  if (nb != 1 || groups[0].sm.smCount < compute) {
-    return "gcmoe_moe: cuDevSmResourceSplitByCount gave " + std::to_string(nb) + " group(s) of " +
-           std::to_string(groups[0].sm.smCount) + " SMs for a compute partition of " + std::to_string(compute);
-  }
-  partition_.compute_sms = groups[0].sm.smCount;
-  partition_.dispatch_sms = rest.sm.smCount;
+  // ---- Green contexts: the device's dispatch/compute pair (one split call per process, device and split).
+  const GreenPair* pair = nullptr;
+  std::string split_error =
+      AcquireGreenPair(cu_, device_, static_cast<unsigned>(std::max<int64_t>(1, s.dispatch_sms)), &pair);
+  if (!split_error.empty()) return split_error;
+  partition_ = pair->partition;
   if (s.planned_compute_sms != 0 && s.planned_compute_sms != partition_.compute_sms) {
     return "gcmoe_moe: the driver split the device into " + std::to_string(partition_.compute_sms) +
            " compute SMs, but gcmoe_jax.geometry planned " + std::to_string(s.planned_compute_sms) +
            " (device facts differ from the geometry's: check `python -m gcmoe_jax doctor`)";
   }
-  CUdevResourceDesc desc[2];
-  GCMOE_CU(cu_.cuDevResourceGenerateDesc(&desc[0], &rest, 1));
-  GCMOE_CU(cu_.cuDevResourceGenerateDesc(&desc[1], &groups[0], 1));
-  for (int g = 0; g < 2; ++g) {
-    GCMOE_CU(cu_.cuGreenCtxCreate(&green_[g], desc[g], device_, CU_GREEN_CTX_DEFAULT_STREAM));
-  }
-  CUcontext dispatch_ctx, compute_ctx;
-  GCMOE_CU(cu_.cuCtxFromGreenCtx(&dispatch_ctx, green_[0]));
-  GCMOE_CU(cu_.cuCtxFromGreenCtx(&compute_ctx, green_[1]));
-  role_ctx_[0] = dispatch_ctx;
-  role_ctx_[1] = compute_ctx;
-  role_ctx_[2] = primary_;  // finalize runs after both roles: the whole device is free
+  role_ctx_[0] = pair->ctx[0];
+  role_ctx_[1] = pair->ctx[1];
+  // Finalize runs after both roles, on the compute partition: a node on the primary context costs ~1.4 us more per
+  // replay (one more context switch on the critical path; H200 probe, docs/perf.md).
+  role_ctx_[2] = pair->ctx[1];
 
   // ---- Cubins and the residency check (eq. 6) at the exact launch configuration.
-  const unsigned role_sms[kNumRoles] = {partition_.dispatch_sms, partition_.compute_sms, partition_.total_sms};
+  const unsigned role_sms[kNumRoles] = {partition_.dispatch_sms, partition_.compute_sms, partition_.compute_sms};
   // A grid of 0 in the spec means: role 1 one CTA, role 2 one CTA per compute SM, role 3 one CTA per token.
   const unsigned auto_grid[kNumRoles] = {1u, partition_.compute_sms, static_cast<unsigned>(std::max<int64_t>(1, tokens))};
   for (int r = 0; r < kNumRoles; ++r) {
@@ -185,17 +282,20 @@ std::string Runtime::Init(std::shared_ptr<const VariantSpec> spec, CUstream stre
   // ---- Workspace: header (epoch 0, timeout, stall hook), silu table; the rest needs no initial value (epochs).
   GCMOE_CU(cu_.cuMemAlloc(&workspace_, static_cast<size_t>(s.ws_total)));
   GCMOE_CU(cu_.cuMemsetD8(workspace_, 0, static_cast<size_t>(s.ws_total)));
+  void* host = nullptr;
+  GCMOE_CU(cu_.cuMemHostAlloc(&host, sizeof(WorkspaceHeader), CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP));
+  host_header_ = static_cast<WorkspaceHeader*>(host);
+  std::memset(host_header_, 0, sizeof(WorkspaceHeader));
+  CUdeviceptr mirror = 0;
+  GCMOE_CU(cu_.cuMemHostGetDevicePointer(&mirror, host, 0));
   WorkspaceHeader header{};
   header.timeout_ns = s.timeout_ns;
   header.stall_expert = -1;
+  header.host_mirror = mirror;
   GCMOE_CU(cu_.cuMemcpyHtoD(workspace_, &header, sizeof(header)));
   GCMOE_CU(cu_.cuMemcpyHtoD(workspace_ + s.ws_silu_table, s.silu_table.data(), s.silu_table.size() * sizeof(float)));
-  void* host = nullptr;
-  GCMOE_CU(cu_.cuMemHostAlloc(&host, sizeof(WorkspaceHeader), CU_MEMHOSTALLOC_PORTABLE));
-  host_header_ = static_cast<WorkspaceHeader*>(host);
-  std::memset(host_header_, 0, sizeof(WorkspaceHeader));
 
-  // ---- The graph: roles 1 and 2 concurrent roots, role 3 after both, then the header mirror.
+  // ---- The graph: roles 1 and 2 concurrent roots, role 3 after both.
   tokens_ = static_cast<int32_t>(tokens);
   clamp_ = clamp;
   for (int p = 0; p < kNumPointerParams; ++p) param_ptrs_[p] = &ptrs_[p];
@@ -208,19 +308,10 @@ std::string Runtime::Init(std::shared_ptr<const VariantSpec> spec, CUstream stre
     const CUgraphNode* deps = r == 2 ? node_ : nullptr;
     GCMOE_CU(cu_.cuGraphAddKernelNode(&node_[r], graph_, deps, r == 2 ? 2 : 0, &p));
   }
-  CUDA_MEMCPY3D copy{};
-  copy.srcMemoryType = CU_MEMORYTYPE_DEVICE;
-  copy.srcDevice = workspace_;
-  copy.dstMemoryType = CU_MEMORYTYPE_HOST;
-  copy.dstHost = host_header_;
-  copy.WidthInBytes = sizeof(WorkspaceHeader);
-  copy.srcPitch = copy.dstPitch = sizeof(WorkspaceHeader);
-  copy.Height = 1;
-  copy.Depth = 1;
-  CUgraphNode mirror;
-  GCMOE_CU(cu_.cuGraphAddMemcpyNode(&mirror, graph_, &node_[2], 1, &copy, primary_));
   GCMOE_CU(cu_.cuGraphInstantiate(&exec_, graph_, 0));
   g_graph_instantiations.fetch_add(1);
+  g_live_runtimes.fetch_add(1);
+  live_ = true;
   return "";
 }
 
@@ -233,8 +324,7 @@ Runtime::~Runtime() {
     if (lib) cu_.cuLibraryUnload(lib);
   if (workspace_) cu_.cuMemFree(workspace_);
   if (host_header_) cu_.cuMemFreeHost(host_header_);
-  for (CUgreenCtx g : green_)
-    if (g) cu_.cuGreenCtxDestroy(g);
+  if (live_) g_live_runtimes.fetch_sub(1);
 }
 
 CUDA_KERNEL_NODE_PARAMS Runtime::NodeParams(int r) {
@@ -264,8 +354,8 @@ std::string Runtime::SetParams(const PointerParams& ptrs, bool exec) {
   return "";
 }
 
-// A fault recorded by an earlier replay (the pinned header mirror is written by the graph's last node, so reading it
-// needs no synchronisation; it may lag by the calls still in flight). Clears the fault on host and device.
+// A fault recorded by an earlier replay (role 3 writes the pinned, mapped mirror, so reading it needs no
+// synchronisation; it may lag by the calls still in flight). Clears the fault on host and device.
 std::string Runtime::CheckFault(CUstream stream) {
   volatile WorkspaceHeader* h = host_header_;
   if (h->error_flag == 0) return "";
@@ -295,6 +385,7 @@ std::string Runtime::SyncAndCheck(CUstream stream) {
 }
 
 std::string Runtime::Execute(CUstream stream, const PointerParams& ptrs) {
+  std::lock_guard<std::mutex> lock(mutex_);
   ScopedContext current(cu_, primary_);  // the synchronous test-hook copy below needs the device's context
   GCMOE_CU(current.status());
   CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
@@ -368,7 +459,7 @@ GCMOE_EXPORT int gcmoe_register_variant(const char* key, const int64_t* config, 
               error, error_size);
     return -1;
   }
-  auto spec = std::make_shared<gcmoe::VariantSpec>();
+  auto spec = std::make_shared<gcmoe::VariantSpec>();  // RegisterVariant adds its digest
   spec->capacity = config[0];
   spec->dispatch_sms = config[1];
   spec->timeout_ns = static_cast<uint64_t>(config[2]);
@@ -391,6 +482,22 @@ GCMOE_EXPORT int gcmoe_register_variant(const char* key, const int64_t* config, 
 
 // How many graphs were instantiated in this process (tests: one per shape and device, never per call).
 GCMOE_EXPORT int64_t gcmoe_graph_instantiations() { return gcmoe::GraphInstantiations(); }
+
+// Runtimes alive in this process (graph-cache entries with a call site; each owns a workspace and a graph).
+GCMOE_EXPORT int64_t gcmoe_live_runtimes() { return gcmoe::LiveRuntimes(); }
+
+// Byte offsets of the workspace header's fields in abi.HEADER's order (tests: the two layouts agree).
+GCMOE_EXPORT int gcmoe_workspace_header_offsets(int64_t* out, int n) {
+  const int64_t offsets[] = {
+      offsetof(gcmoe::WorkspaceHeader, epoch),         offsetof(gcmoe::WorkspaceHeader, error_flag),
+      offsetof(gcmoe::WorkspaceHeader, timeout_ns),    offsetof(gcmoe::WorkspaceHeader, error_role),
+      offsetof(gcmoe::WorkspaceHeader, error_block),   offsetof(gcmoe::WorkspaceHeader, error_epoch),
+      offsetof(gcmoe::WorkspaceHeader, error_counter), offsetof(gcmoe::WorkspaceHeader, error_observed),
+      offsetof(gcmoe::WorkspaceHeader, stall_expert),  offsetof(gcmoe::WorkspaceHeader, host_mirror)};
+  const int count = static_cast<int>(sizeof(offsets) / sizeof(offsets[0]));
+  for (int i = 0; i < count && i < n; ++i) out[i] = offsets[i];
+  return count;
+}
 
 // Test hook: role 1 of every later call never publishes expert `e` (-1: off), so role 2 times out.
 GCMOE_EXPORT void gcmoe_debug_set_stall_expert(int32_t e) { gcmoe::SetStallExpert(e); }

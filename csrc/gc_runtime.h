@@ -1,13 +1,18 @@
 // The GC-MoE CUDA runtime (paper §4.1-4.2, §5.2-5.3): green contexts, the role graph, replay in XLA's stream.
 //
-// One Runtime per (call site, device). At first use (outside any stream capture) it allocates the workspace, splits
-// the device into a dispatch and a compute green context with ONE split call, loads the three role cubins with
-// cuLibraryLoadData, checks that every role's grid is resident (eq. 6, occupancy API at the exact block size and
-// dynamic SMEM), and builds a 3-node graph: role 1 (dispatch partition) and role 2 (compute partition) as concurrent
-// roots synchronised through epoch-tagged flags in the workspace, role 3 (finalize, primary context) after both, and
-// a memcpy node that mirrors the workspace header into pinned host memory so faults are reported without a sync.
-// Each call updates the kernel parameters of the instantiated graph (no re-instantiation) and launches it into XLA's
-// stream, or, when that stream is capturing (XLA command buffers), splices the graph in as a child node.
+// One Runtime per graph-cache key: a SHA-256 over the variant's static bytes (configuration, launch triples, cubin and
+// silu-table digests), T, clamp, the device and XLA's stream. Call sites with the same key share it (a model's
+// identical layers: one workspace, one graph), which is safe because calls on one stream run in order; the cache
+// holds weak references, so the last call site dropped frees it. At first use (outside any stream capture) a Runtime
+// allocates the workspace, takes the device's dispatch/compute green-context pair (ONE split call per device and
+// split, kept for the process: the driver does not return ~8 MB of device memory per destroyed pair), loads the three
+// role cubins with cuLibraryLoadData, checks that every role's grid is resident (eq. 6, occupancy API at the exact
+// block size and dynamic SMEM), and builds a 3-node graph: role 1 (dispatch partition) and role 2 (compute
+// partition) as concurrent roots synchronised through epoch-tagged flags in the workspace, role 3 (finalize, compute
+// partition) after both. Faults reach the host through a pinned, mapped mirror of the header that role 3 writes only
+// when a fault was recorded (no copy node: it cost ~5 us per replay). Each call updates the kernel parameters of the
+// instantiated graph when XLA's buffers changed (no re-instantiation) and launches it into XLA's stream, or, when
+// that stream is capturing (XLA command buffers), splices the graph in as a child node.
 
 #ifndef GCMOE_JAX_CSRC_GC_RUNTIME_H_
 #define GCMOE_JAX_CSRC_GC_RUNTIME_H_
@@ -23,6 +28,7 @@
 #include <vector>
 
 #include "cuda_driver.h"
+#include "sha256.h"
 
 namespace gcmoe {
 
@@ -40,7 +46,8 @@ struct WorkspaceHeader {
   uint32_t error_counter;
   uint32_t error_observed;
   int32_t stall_expert;
-  uint8_t pad[256 - 40];
+  uint64_t host_mirror;  // device address of the pinned host mirror (role 3 writes it when error_flag is set)
+  uint8_t pad[256 - 48];
 };
 static_assert(sizeof(WorkspaceHeader) == 256, "abi.HEADER_BYTES");
 
@@ -58,10 +65,11 @@ struct VariantSpec {
   int64_t planned_compute_sms = 0;  // the split gcmoe_jax.geometry planned (eq. 5); 0: not checked
   std::array<RoleSpec, kNumRoles> role;
   std::vector<float> silu_table;  // 65536 entries
+  Digest digest{};  // SHA-256 over everything above (cubins and the silu table by their own digests)
 };
 
-// Registry of variants, by key (the `variant` attribute of the call).
-void RegisterVariant(const std::string& key, std::shared_ptr<const VariantSpec> spec);
+// Registry of variants, by key (the `variant` attribute of the call). Computes `spec->digest`.
+void RegisterVariant(const std::string& key, std::shared_ptr<VariantSpec> spec);
 std::shared_ptr<const VariantSpec> FindVariant(const std::string& key);
 
 // Per-call device pointers, in kernel parameter order (abi.PARAMS[:13]).
@@ -73,13 +81,14 @@ struct Partition {
 
 class Runtime {
  public:
-  // Builds everything for `tokens` on the current context's device; returns "" or the reason it cannot run.
-  static std::unique_ptr<Runtime> Create(const CudaDriver& cu, std::shared_ptr<const VariantSpec> spec, CUstream stream,
-                                         int64_t tokens, float clamp, std::string* error);
+  // The Runtime of (spec, tokens, clamp, stream's device, stream) from the process-wide graph cache, built on a
+  // miss; null with `*error` set when it cannot run.
+  static std::shared_ptr<Runtime> Get(const CudaDriver& cu, std::shared_ptr<const VariantSpec> spec, CUstream stream,
+                                      int64_t tokens, float clamp, std::string* error);
   ~Runtime();
 
   // Runs one call on `stream` (launch or splice into the capture). Returns "" or an error message; a fault recorded
-  // by an earlier replay is returned here (and cleared) before anything is launched.
+  // by an earlier replay is returned here (and cleared) before anything is launched. Thread-safe.
   std::string Execute(CUstream stream, const PointerParams& ptrs);
 
   // GCMOE_SYNC_CHECK: waits for the stream, then reports a fault of this call at once.
@@ -99,12 +108,11 @@ class Runtime {
   CUdevice device_ = 0;
   Partition partition_;
   std::array<RoleSpec, kNumRoles> launch_;  // the launch triples in use (auto grids resolved; no cubin bytes)
-  CUgreenCtx green_[2] = {nullptr, nullptr};  // dispatch, compute
-  CUcontext role_ctx_[kNumRoles] = {nullptr, nullptr, nullptr};
+  CUcontext role_ctx_[kNumRoles] = {nullptr, nullptr, nullptr};  // dispatch, compute, compute
   CUlibrary library_[kNumRoles] = {nullptr, nullptr, nullptr};
   CUkernel kernel_[kNumRoles] = {nullptr, nullptr, nullptr};
   CUdeviceptr workspace_ = 0;
-  WorkspaceHeader* host_header_ = nullptr;  // pinned mirror, written by the graph's memcpy node
+  WorkspaceHeader* host_header_ = nullptr;  // pinned, mapped mirror of the fault record, written by role 3
   CUgraph graph_ = nullptr;
   CUgraphExec exec_ = nullptr;
   CUgraphNode node_[kNumRoles] = {nullptr, nullptr, nullptr};
@@ -115,10 +123,13 @@ class Runtime {
   void* param_ptrs_[kNumPointerParams + 2] = {};
   int32_t stall_applied_ = -1;
   bool exec_params_set_ = false;  // the instantiated graph's nodes hold ptrs_
+  std::mutex mutex_;  // call sites sharing this Runtime may call from several threads
+  bool live_ = false;  // counted in LiveRuntimes()
 };
 
 // Test hooks and counters, reachable through ctypes.
 int64_t GraphInstantiations();
+int64_t LiveRuntimes();
 void SetStallExpert(int32_t e);
 
 }  // namespace gcmoe

@@ -7,6 +7,7 @@
 #include "common.h"
 #include "moe_cpu.h"
 #include "mx.h"
+#include "sha256.h"
 
 // out[65536]: silu(g) for every bf16 bit pattern g (reference.silu_table()).
 GCMOE_EXPORT void gcmoe_test_silu_table(float* out) {
@@ -26,4 +27,10 @@ GCMOE_EXPORT void gcmoe_test_mxfp8(const uint16_t* x, int64_t m, int64_t k, int3
                             nans + r * (k / gcmoe::kBlock));
     for (int64_t i = 0; i < k; ++i) ints[r * k + i] = 64 * hi[i] + lo[i];
   }
+}
+
+// out[32] = SHA-256 of data[n] (the runtime's graph-cache keys; tests compare it with hashlib).
+GCMOE_EXPORT void gcmoe_test_sha256(const void* data, int64_t n, uint8_t* out) {
+  const gcmoe::Digest d = gcmoe::Sha256().Update(data, static_cast<size_t>(n)).Finish();
+  for (int i = 0; i < 32; ++i) out[i] = d[i];
 }

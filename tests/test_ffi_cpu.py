@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import hashlib
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ import pytest
 import gcmoe_jax as gm
 from gcmoe_jax import ffi, formats, reference
 from gcmoe_jax.ffi import _library
+from gcmoe_jax.kernels import abi
 
 _SUPPORT = ffi.platform_support("cpu")
 pytestmark = pytest.mark.skipif(not _SUPPORT.ok, reason=_SUPPORT.reason)
@@ -188,6 +190,22 @@ def test_silu_table_is_the_references_for_every_bf16():
   assert (np.isnan(out) == nan).all()
   bad = np.flatnonzero(out.view(np.uint32)[~nan] != expected.view(np.uint32)[~nan])
   assert bad.size == 0, f"{bad.size} entries differ, first at bf16 0x{np.flatnonzero(~nan)[bad[0]]:04x}"
+
+
+@pytest.mark.parametrize("n", [0, 1, 55, 56, 63, 64, 65, 119, 1000, 100_003])
+def test_sha256_of_the_graph_cache_is_hashlibs(n):
+  data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()
+  out = (ctypes.c_uint8 * 32)()
+  _hook("gcmoe_test_sha256")(data, ctypes.c_int64(n), out)
+  assert bytes(out).hex() == hashlib.sha256(data).hexdigest()
+
+
+def test_workspace_header_of_the_runtime_is_abis():
+  fn = _hook("gcmoe_workspace_header_offsets")
+  out = (ctypes.c_int64 * 16)()
+  count = fn(out, 16)
+  assert count == len(abi.HEADER)
+  assert dict(zip(abi.HEADER, out[:count])) == abi.HEADER
 
 
 @pytest.mark.parametrize("layout", ["sorted", "shuffled"])

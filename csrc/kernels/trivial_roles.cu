@@ -16,6 +16,17 @@ extern "C" __global__ void gcmoe_trivial_role1(GCMOE_PARAMS) {}
 extern "C" __global__ void gcmoe_trivial_role2(GCMOE_PARAMS) {}
 #else
 extern "C" __global__ void gcmoe_trivial_role3(GCMOE_PARAMS) {
-  if (blockIdx.x == 0 && threadIdx.x == 0) workspace[0] += 1;  // header.epoch
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    workspace[0] += 1;  // header.epoch
+    // The real role 3's fault check (header.error_flag, then the mirror at header.host_mirror): same cost.
+    if (workspace[1] != 0) {
+      uint32_t* host = *reinterpret_cast<uint32_t**>(workspace + 10);
+      if (host != nullptr) {
+        for (int i = 4; i < 9; ++i) host[i] = workspace[i];
+        __threadfence_system();
+        host[1] = 1;
+      }
+    }
+  }
 }
 #endif

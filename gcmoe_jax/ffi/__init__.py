@@ -19,5 +19,6 @@ from gcmoe_jax.ffi._moe import no_shared_operands as no_shared_operands
 from gcmoe_jax.ffi._cuda import debug_set_stall_expert as debug_set_stall_expert
 from gcmoe_jax.ffi._cuda import device_arch as device_arch
 from gcmoe_jax.ffi._cuda import graph_instantiations as graph_instantiations
+from gcmoe_jax.ffi._cuda import live_runtimes as live_runtimes
 from gcmoe_jax.ffi._cuda import live_states as live_states
 from gcmoe_jax.ffi._cuda import kernels_support as kernels_support

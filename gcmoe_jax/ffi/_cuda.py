@@ -164,13 +164,19 @@ def _process_counter(symbol: str) -> int:
 
 
 def graph_instantiations() -> int:
-  """CUDA graphs instantiated in this process so far (one per call site, device and T; never per call)."""
+  """CUDA graphs instantiated in this process so far: one per graph-cache key (variant, T, clamp, device, stream),
+  shared by every call site with that key; never per call."""
   return _process_counter("gcmoe_graph_instantiations")
 
 
 def live_states() -> int:
-  """CUDA call-site states alive in this process (each owns workspaces, green contexts and graphs)."""
+  """CUDA call-site states alive in this process (each holds a reference to its runtimes)."""
   return _process_counter("gcmoe_live_states")
+
+
+def live_runtimes() -> int:
+  """CUDA runtimes alive in this process (graph-cache entries in use; each owns a workspace and a graph)."""
+  return _process_counter("gcmoe_live_runtimes")
 
 
 def debug_set_stall_expert(expert: int) -> None:

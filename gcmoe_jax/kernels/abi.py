@@ -15,7 +15,9 @@ command buffer (where the host handler is not called) stays correct because the 
 
 **Faults.** A wait that expires writes the error record (role, block, epoch, counter = the awaited expert,
 observed value) once (CAS on ``error.flag``), and the role returns without trapping, so the context stays usable;
-role 3 then writes NaN into every output row. The runtime reads the record and reports it as an FFI error.
+role 3 then writes NaN into every output row and copies the record into the runtime's pinned host mirror
+(``host_mirror``, mapped memory: no copy node in the graph, nothing written on the common path). The runtime reads
+the mirror without synchronising and reports the record as an FFI error.
 """
 
 from __future__ import annotations
@@ -40,7 +42,10 @@ HEADER = {
   "error_counter": 28,  # u32: what was awaited (role 2: the expert id, plus WAIT_GEMM1 / WAIT_XQ in v2)
   "error_observed": 32,  # u32: the value seen last
   "stall_expert": 36,  # i32: test hook: role 1 never publishes this expert (-1 = off)
+  "host_mirror": 40,  # u64: device address of the runtime's pinned host copy of this header (0 = none)
 }
+# Words of the header that role 3 copies to ``host_mirror`` when ``error_flag`` is set: error_flag .. error_observed.
+MIRROR_WORDS = ("error_flag", "error_role", "error_block", "error_epoch", "error_counter", "error_observed")
 HEADER_BYTES = 256
 PLANES = 3  # signed 6-bit digit planes of an E4M3 value times 512 (|512 v| <= 229,376 < 2**18)
 DIGIT_BITS = 6

@@ -380,6 +380,17 @@ def _record_fault(wsb: Int64, role: cutlass.Constexpr, block: Int32, epoch: Int3
     _st(wsb + abi.HEADER["error_observed"], observed)
 
 
+@cute.jit
+def _mirror_fault(wsb: Int64) -> None:
+  """Copies the fault record into the runtime's pinned host mirror (mapped memory), error_flag last (release at
+  system scope), so the host reads a complete record without synchronising and the graph needs no copy node."""
+  host = _ld(wsb + abi.HEADER["host_mirror"], Int64)
+  if host != 0:
+    for name in abi.MIRROR_WORDS[1:]:
+      cute.arch.store(_gptr(host + abi.HEADER[name]), _ld(wsb + abi.HEADER[name]), sem="relaxed", scope="sys")
+    cute.arch.store(_gptr(host + abi.HEADER["error_flag"]), Int32(1), sem="release", scope="sys")
+
+
 # ////////////////////////////////////////////////////////////////////////////////////////////////////////////////////
 # The kernels
 # ////////////////////////////////////////////////////////////////////////////////////////////////////////////////////
@@ -710,6 +721,8 @@ class RoleKernelsV1:
       if tid == 0:
         epoch = _ld(wsb + abi.HEADER["epoch"])
         _st(wsb + abi.HEADER["epoch"], epoch + 1)
+        if fault != 0:
+          _mirror_fault(wsb)
 
 
 for _kernel, _name in zip((RoleKernelsV1.role1_dispatch, RoleKernelsV1.role2_compute, RoleKernelsV1.role3_finalize),
