@@ -64,9 +64,12 @@ def test_role_compiles_to_a_cubin(built, arch, role):
   assert entry["block"] == 256, entry
   # No spills, except role 2 of the two-CTA variants at its 128-register cap (build._SPILL_BUDGET).
   assert entry["local_bytes"] <= (32 if entry["ctas_per_sm"] > 1 else 0), entry
-  # v2's role 2 runs its cp.async pipeline in dynamic SMEM (opt-in above 48 KiB; H100/H200 allow 227 KiB).
+  # v2's role 2 runs its cp.async pipeline in dynamic SMEM (opt-in above 48 KiB; H100/H200 allow 227 KiB per CTA,
+  # SM120 99 KiB, 100 KiB per SM shared by the CTAs of an SM).
   v2_role2 = role == 2 and build.generation() == "v2"
-  assert (48 * 1024 < entry["dynamic_smem"] <= 227 * 1024) if v2_role2 else entry["dynamic_smem"] == 0, entry
+  limit = (227 if arch == "sm_90a" else 99) * 1024
+  low = 0 if arch != "sm_90a" and entry["ctas_per_sm"] > 1 else 48 * 1024
+  assert (low < entry["dynamic_smem"] <= limit) if v2_role2 else entry["dynamic_smem"] == 0, entry
   assert entry["grid"] == (1 if role == 1 else 0)
   assert 0 < entry["registers"] <= 255 and entry["static_smem"] <= 48 * 1024, entry
 
@@ -105,12 +108,23 @@ def test_role2_waits_are_bounded_acquires(built, arch):
 @pytest.mark.parametrize("arch", build.ARCHS)
 def test_v2_role2_is_int8_mma_over_a_cp_async_pipeline(built, arch):
   ptx = _ptx(built[arch], 2)
-  mmas = re.findall(r"mma\.sync\.aligned\.m16n8k32\.row\.col\.s32\.s8\.s8\.s32", ptx)
-  # Two GEMMs x n-tile bodies (1, 2, 4, 8; 1, 2 for the two-CTA small variants) x {fast, exact slow} stage x 4 K32
-  # blocks x 3 digit planes.
   two_ctas = built[arch]["roles"][1]["ctas_per_sm"] == 2
   assert two_ctas == (SMALL.capacity <= 16)
-  assert len(mmas) == 2 * (3 if two_ctas else 15) * 2 * 4 * 3
+  if arch == "sm_90a":
+    # Two GEMMs x n-tile bodies (1, 2, 4, 8; 1, 2 for the two-CTA small variants) x {fast, exact slow} stage x 4
+    # K32 blocks x 3 digit planes.
+    mmas = re.findall(r"mma\.sync\.aligned\.m16n8k32\.row\.col\.s32\.s8\.s8\.s32", ptx)
+    assert len(mmas) == 2 * (3 if two_ctas else 15) * 2 * 4 * 3
+  else:
+    # The SM120 seam: one block-scaled QMMA per K32 block, the block picked by the byte-id immediate (0-3) of the
+    # packed scale words; no int8 MMA, no slow stage.
+    assert "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32" not in ptx
+    qmmas = re.findall(r"mma\.sync\.aligned\.kind::mxf8f6f4\.block_scale\.scale_vec::1X\.m16n8k32\.row\.col\."
+                       r"f32\.e2m1\.e4m3\.f32\.ue8m0 [^;]*?, (%r\d+), \{(\d), 0\}, (%r\d+), \{(\d), 0\};", ptx)
+    # At least one per (GEMM, n-tile of each body, K32 block); LLVM may peel the stage loop, so not exactly.
+    assert len(qmmas) >= 2 * (3 if two_ctas else 15) * 4 and len(qmmas) % 4 == 0, len(qmmas)
+    assert sorted({int(q[1]) for q in qmmas}) == [0, 1, 2, 3] and all(q[1] == q[3] for q in qmmas)
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx, "activations are stored as E4M3 codes"
   if two_ctas:
     assert ".minnctapersm 2" in ptx and ".maxnreg 128" in ptx, "the §5.1 rewrites of the two-CTA variant"
   assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in ptx and "cp.async.cg.shared.global" in ptx
@@ -124,6 +138,20 @@ def test_role1_publishes_with_release_and_role3_advances_the_epoch(built, arch):
   assert "st.release.gpu" in r1 and "atom.global.cas.b32" in r1
   # Role 3 stores header.epoch (workspace offset 0) after a barrier.
   assert "bar.sync" in r3 and re.search(r"st\.global\.b32\s+\[%rd\d+\]", r3), r3[-2000:]
+
+
+@needs_dsl
+@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
+@pytest.mark.parametrize("variant", [SMALL, SMALL_SHARED], ids=["routed", "shared"])
+def test_sm120_role2_fits_the_rtx_pro_5000_smem(cache, variant):
+  """The sm_120a role 2 sizes its pipeline for SM120's 99 KB per CTA / 100 KB per SM at its CTAs per SM."""
+  from gcmoe_jax import geometry
+
+  meta = build.compile_variant("sm_120a", variant, cache_dir=cache)
+  r2 = meta["roles"][1]
+  smem = r2["dynamic_smem"] + r2["static_smem"]
+  assert geometry.ctas_per_sm(smem, 256, geometry.RTX_PRO_5000) >= r2["ctas_per_sm"] >= 1, (smem, r2["ctas_per_sm"])
+  assert all(r["local_bytes"] == 0 for r in meta["roles"])
 
 
 @needs_dsl
@@ -161,14 +189,19 @@ def test_manifest_round_trips(built, cache, monkeypatch):
 
 
 @needs_dsl
-def test_cli_builds_into_out(built, cache, capsys):
-  status = cli_main(["build-kernels", "--arch", "sm_90a,sm_120a", "--out", str(cache), "--variant",
-                     "512,256,8,4,16"])
+def test_cli_builds_into_out(built, cache, capsys, tmp_path):
+  report = tmp_path / "table.md"
+  status = cli_main(["build-kernels", "--arch", ",".join(build.ARCHS), "--out", str(cache), "--variant",
+                     "512,256,8,4,16", "--report", str(report)])
   out = capsys.readouterr().out
   assert status == 0, out
-  assert build.cache_key("sm_120a", SMALL) in out and "2 builds" in out
+  assert build.cache_key("sm_120a", SMALL) in out and f"{len(build.ARCHS)} builds" in out
   index = json.loads((cache / "index.json").read_text())
   assert {e["key"] for e in index} >= {build.cache_key(a, SMALL) for a in build.ARCHS}
+  rows = report.read_text().splitlines()
+  assert len(rows) == 2 + len(build.ARCHS) and rows[0].startswith("| variant | arch | registers")
+  sm120 = next(r for r in rows if "| sm_120a |" in r)
+  assert "| H512 I256 E8 k4 T16 |" in sm120 and "| 2 | yes |" in sm120, sm120
 
 
 @needs_dsl

@@ -96,3 +96,34 @@ def test_fast_path_window_keeps_the_scaled_block_exact_and_normal():
       fd = np.float32(d)  # f32(D), already rounded
       p = fd * np.float32(2.0**n)
       assert np.isfinite(p) and abs(p) >= np.finfo(np.float32).tiny and float(p) == float(fd) * 2.0**n
+
+
+# ---- the sm_120a seam (block-scaled QMMA) ----------------------------------------------------------------------
+
+
+def test_qmma_expansion_puts_every_nibble_in_its_8bit_container():
+  """`roles_v2._exp4`: byte i of the expanded word holds nibble i of the 16-bit input at bits 5..2 (the E2M1
+  encoding of kind::mxf8f6f4), for every input."""
+  w = np.arange(1 << 16, dtype=np.int64)
+  out = np.array([(_prmt(int(v), int(v) >> 4, r2.EXPAND_SELECT) & 0x0F0F0F0F) << 2 for v in w], np.int64)
+  for i in range(4):
+    assert np.array_equal((out >> (8 * i)) & 0xFF, ((w >> (4 * i)) & 0xF) << 2)
+
+
+def test_e4m3_codes_of_the_quantized_ints_are_exact():
+  """`roles_v2._e4m3_code`: f32(n) * 2**-9 is exactly the E4M3 value n / 512, so the RNE conversion returns its
+  own code, for every finite E4M3 value (the sign of zero aside)."""
+  codes = np.arange(256, dtype=np.uint8)
+  values = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  keep = np.isfinite(values) & (codes != 0x80)
+  n = np.round(values[keep].astype(np.float64) * 512).astype(np.int64)
+  f = n.astype(np.float32) * np.float32(2.0 ** -9)
+  assert np.array_equal(f.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), codes[keep])
+
+
+def test_qmma_scale_bytes_cover_every_block_exponent():
+  """The UE8M0 byte e + 127 of `_quantize_lane` is a finite scale for every clamped block exponent."""
+  from gcmoe_jax.kernels import roles_v1 as r1
+
+  e = np.arange(-r1.UE8M0_CLAMP, r1.UE8M0_CLAMP + 1)
+  assert ((e + r1.F32_BIAS >= 0) & (e + r1.F32_BIAS <= 254)).all()

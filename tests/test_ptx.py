@@ -30,11 +30,44 @@ def test_v1_roles_validate(modules, arch, role):
   assert e.param_types == ptx.ABI_PARAM_TYPES
 
 
-@pytest.mark.parametrize("arch, feature", [("sm_90a", "wgmma.mma_async"),
-                                           ("sm_120a", "mma.sync.aligned.kind::mxf8f6f4")])
-def test_a_fast_role2_without_its_mma_fails_naming_it(modules, arch, feature):
-  with pytest.raises(ptx.PtxError, match=re.escape(f"role 2 for {arch} lost `{feature}`")):
-    ptx.validate(modules[arch][2], role=2, arch=arch, fast=True)
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
+def test_role2_holds_the_instructions_of_its_seam(modules, arch):
+  """§5.1: the v2 role 2 still contains its MMA (int8 on sm_90a, the block-scaled QMMA on sm_120a), the cp.async
+  pipeline and ldmatrix; the QMMA is not on sm_90a and the int8 MMA not on sm_120a (one seam per target)."""
+  features = ptx.role2_features("v2", arch)
+  assert features and ptx.validate(modules[arch][2], role=2, arch=arch, features=features)
+  qmma = "mma.sync.aligned.kind::mxf8f6f4.block_scale.scale_vec::1X.m16n8k32.row.col.f32.e2m1.e4m3.f32.ue8m0"
+  int8 = "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"
+  text = modules[arch][2]
+  assert (qmma in text, int8 in text) == ((True, False) if arch == "sm_120a" else (False, True))
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
+def test_a_role2_that_lost_a_feature_fails_naming_it(modules, arch):
+  for feature in ptx.role2_features("v2", arch):
+    broken = modules[arch][2].replace(feature, "nop")
+    with pytest.raises(ptx.PtxError, match=re.escape(f"role 2 for {arch} lost `{feature}`")):
+      ptx.validate(broken, role=2, arch=arch, features=ptx.role2_features("v2", arch))
+
+
+def test_a_formal_count_off_by_one_is_named(modules):
+  text = modules["sm_120a"][3]
+  dropped = re.sub(r",\s*\.param \.f32 \w+_param_14", "", text, count=1)
+  assert dropped != text
+  with pytest.raises(ptx.PtxError, match=r"has 14 formals, the ABI has 15"):
+    ptx.validate(dropped, role=3, arch="sm_120a")
+  e = ptx.entries(text)[0]
+  extra = text.replace(f"{e.name}(", f"{e.name}(\n\t.param .u64 {e.name}_param_extra,", 1)
+  with pytest.raises(ptx.PtxError, match=r"has 16 formals, the ABI has 15"):
+    ptx.validate(extra, role=3, arch="sm_120a")
+
+
+def test_a_directive_rewrite_on_a_duplicated_directive_fails(modules):
+  text = modules["sm_120a"][2]
+  entry = ptx.entries(text)[0].name
+  twice = ptx.rewrite_min_ctas(text, entry, 2).replace(".minnctapersm 2", ".minnctapersm 2\n.minnctapersm 2", 1)
+  with pytest.raises(ptx.PtxError, match=r"declares \.minnctapersm 2 times"):
+    ptx.rewrite_min_ctas(twice, entry, 2)
 
 
 def test_a_changed_formal_is_named(modules):

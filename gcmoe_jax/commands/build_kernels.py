@@ -41,7 +41,14 @@ def _preset_tests() -> list[tuple[int, ...]]:
   return out
 
 
-PRESETS = {"tests": _preset_tests}
+def _preset_paper() -> list[tuple[int, ...]]:
+  """The paper's 18 decode points of both models, routed and with the shared expert: the token capacities 8, 16,
+  64 and 256 hold B = 1..256."""
+  return [v for h, i, e, k in _PAPER.values() for cap in _PAPER_CAPACITIES
+          for v in ((h, i, e, k, cap), (h, i, e, k, cap, i, _SHARED_GROUP))]
+
+
+PRESETS = {"tests": _preset_tests, "paper": _preset_paper}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -52,7 +59,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                 "variant to cubins with CuTe DSL, into OUT/<key>/ with a meta.json manifest; then set "
                 "GCMOE_CUBIN_DIR=OUT on the GPU host.")
   p.add_argument("--arch", default="sm_90a",
-                 help="target architecture(s): sm_90a, sm_120a, or a comma list (default sm_90a)")
+                 help="target architecture(s): sm_90a, sm_120a, sm_121a, or a comma list (default sm_90a)")
   p.add_argument("--out", required=True, type=pathlib.Path, help="output directory (a cubin cache; reused)")
   p.add_argument("--variant", action="append", default=[], metavar="H,I,E,k,TCAP[,Is,group]",
                  help="one variant: hidden, intermediate, local experts, top-k, token capacity, and optionally the "
@@ -63,6 +70,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
   p.add_argument("--jobs", type=int, default=1,
                  help="variants compiled at once in worker processes (default 1; 0: one per CPU core)")
   p.add_argument("--json", action="store_true", help="print the manifests' summaries as JSON")
+  p.add_argument("--report", type=pathlib.Path, default=None, metavar="FILE",
+                 help="write a markdown table of the builds' ptxas resources (registers, SMEM, spills, CTAs per SM) "
+                      "and, for sm_120a/sm_121a, whether role 2 fits the RTX PRO 5000's SMEM (docs/sm120.md)")
   p.set_defaults(func=run)
 
 
@@ -118,6 +128,33 @@ def _summary(meta: dict, arch: str, v, seconds: float, quiet: bool) -> dict:
   return summary
 
 
+def _report_rows(summaries: list[dict]) -> list[str]:
+  """Markdown rows of `--report`: one per build."""
+  from gcmoe_jax import geometry
+
+  dev = geometry.RTX_PRO_5000
+  head = ("| variant | arch | registers (roles 1/2/3) | role 2 SMEM (dynamic + static) | local bytes (roles 1/2/3) "
+          "| CTAs/SM built | fits 100 KB/SM at that c | paper eq. 9 S_role2 at B = capacity (c) |")
+  rows = [head, "| " + " | ".join(["---"] * 8) + " |"]
+  for s in sorted(summaries, key=lambda s: (s["arch"], s["key"])):
+    v = s["variant"]
+    smem = s["dynamic_smem"][1] + s["static_smem"][1]
+    c = s["ctas_per_sm"][1]
+    fits = "-"
+    model = "-"
+    if s["arch"].startswith("sm_12"):
+      fits = "yes" if geometry.ctas_per_sm(smem, 256, dev) >= c else "**no**"
+      p = geometry.Problem(R=1, E=v["experts"], k=v["top_k"], B=v["capacity"], H=v["hidden"], I=v["intermediate"],
+                           shared=v["shared_intermediate"] is not None, shared_I=v["shared_intermediate"])
+      pl = geometry.plan(p, device=dev)
+      model = f"{pl.smem.role2} B ({pl.launch.ctas_per_sm})"
+    shared = f" + shared Is{v['shared_intermediate']} g{v['shared_group']}" if v["shared_intermediate"] else ""
+    name = f"H{v['hidden']} I{v['intermediate']} E{v['experts']} k{v['top_k']} T{v['capacity']}{shared}"
+    rows.append(f"| {name} | {s['arch']} | {' / '.join(map(str, s['registers']))} | {s['dynamic_smem'][1]} + "
+                f"{s['static_smem'][1]} | {' / '.join(map(str, s['local_bytes']))} | {c} | {fits} | {model} |")
+  return rows
+
+
 def run(args: argparse.Namespace) -> int:
   from gcmoe_jax.kernels import build
 
@@ -161,6 +198,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
       summaries.append(_summary(meta, arch, v, seconds, args.json))
   _write_index(args.out, summaries)
+  if args.report is not None:
+    args.report.write_text("\n".join(_report_rows(summaries)) + "\n")
   total_bytes = sum(sum(s["cubin_bytes"]) for s in summaries)
   total_s = time.perf_counter() - t0
   if args.json:

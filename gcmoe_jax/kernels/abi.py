@@ -83,6 +83,11 @@ class Workspace:
   aexp: int  # i32 [capacity * k, I / 32]
   aflag: int  # u32 [capacity * k]
   counters: int  # u32 [2, E + 1] by call parity: GEMM1 tiles done per expert, then CTAs done quantizing x
+  # UE8M0 scale bytes of those blocks (e + 127; 0xFF for a block that held a NaN/Inf), for the sm_120a seam, whose
+  # block-scaled MMA reads four of them (one K128 stage) as one word. There, plane 0 of a block holds its E4M3
+  # codes and planes 1-2 are unused.
+  xsf: int  # u8 [capacity, H / 32]
+  asf: int  # u8 [capacity * k, I / 32]
   total: int  # bytes
 
   def as_attrs(self) -> dict[str, int]:
@@ -108,7 +113,9 @@ def workspace_layout(experts: int, capacity: int, top_k: int, hidden: int, share
                      ("aplanes", capacity * top_k * (intermediate // 32) * block_bytes if v2 else 0),
                      ("aexp", capacity * top_k * (intermediate // 32) * 4 if v2 else 0),
                      ("aflag", capacity * top_k * 4 if v2 else 0),
-                     ("counters", 2 * 4 * (experts + 1) if v2 else 0)):
+                     ("counters", 2 * 4 * (experts + 1) if v2 else 0),
+                     ("xsf", capacity * (hidden // 32) if v2 else 0),
+                     ("asf", capacity * top_k * (intermediate // 32) if v2 else 0)):
     sections[name] = off
     off = _align(off + size)
   return Workspace(total=off, **sections)

@@ -54,7 +54,7 @@ __all__ = [
   "source_sha256",
 ]
 
-ARCHS = ("sm_90a", "sm_120a")
+ARCHS = ("sm_90a", "sm_120a", "sm_121a")
 CUBIN_DIR_ENV = "GCMOE_CUBIN_DIR"
 MANIFEST = "meta.json"
 MANIFEST_FORMAT = 1
@@ -337,7 +337,13 @@ def _compile_roles(arch: str, variant: Variant, out: pathlib.Path) -> list[dict[
 
   from gcmoe_jax.kernels import roles_v1, roles_v2
 
-  kernels = (roles_v2.RoleKernelsV2 if generation() == "v2" else roles_v1.RoleKernelsV1)(variant)
+  from gcmoe_jax.kernels import ptx as ptx_pipeline
+
+  gen = generation()
+  try:
+    kernels = roles_v2.RoleKernelsV2(variant, arch) if gen == "v2" else roles_v1.RoleKernelsV1(variant)
+  except ValueError as err:  # the variant does not fit the target (SMEM)
+    raise BuildError(f"build: {err}") from err
   # Fake arguments: the pointers' values do not matter when compiling, their type (global, 16-byte aligned) does.
   ptrs = [make_ptr(Uint8, 0, cute.AddressSpace.gmem, assumed_align=roles_v1.POINTER_ALIGN)
           for _ in range(abi.NUM_POINTER_PARAMS)]
@@ -364,13 +370,17 @@ def _compile_roles(arch: str, variant: Variant, out: pathlib.Path) -> list[dict[
     if ctas > 1:
       # Several CTAs per SM: the §5.1 rewrites (.minnctapersm and the eq. 4 register ceiling) and an assembly with
       # the local ptxas (CuTe DSL queries a GPU for min_blocks_per_mp > 1, and there may be none here).
-      from gcmoe_jax.kernels import ptx as ptx_pipeline
-
       ptx = ptx_pipeline.rewrite_min_ctas(ptx, entry["name"], ctas)
       ptx = ptx_pipeline.rewrite_max_registers(ptx, entry["name"], ctas, roles_v1.THREADS)
       cubin = ptx_pipeline.assemble(ptx, arch)
       (out / ptx_name).write_text(ptx)
       (out / cubin_name).write_bytes(cubin)
+    # §5.1 validation of the PTX that was assembled: one entry, the ABI's formals, the target, and role 2's
+    # instructions (a lost feature fails the build naming it).
+    try:
+      ptx_pipeline.validate(ptx, role=r, arch=arch, features=ptx_pipeline.role2_features(gen, arch))
+    except ptx_pipeline.PtxError as err:
+      raise BuildError(f"build: role {r} of {variant.key} for {arch}: {err}") from err
     res = cubin_resources(cubin, entry["name"])
     _check_role(r, variant, arch, entry, res, ctas)
     entries.append({

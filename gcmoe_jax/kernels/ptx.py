@@ -20,19 +20,29 @@ from pathlib import Path
 from gcmoe_jax import geometry
 from gcmoe_jax.kernels import abi
 
-__all__ = ["PtxError", "PTX_ISA_OF_RELEASE", "assemble", "ptxas_release", "rewrite_max_registers",
-           "rewrite_min_ctas", "rewrite_version", "validate"]
+__all__ = ["PtxError", "PTX_ISA_OF_RELEASE", "ROLE2_FEATURES", "assemble", "ptxas_release", "role2_features",
+           "rewrite_max_registers", "rewrite_min_ctas", "rewrite_version", "validate"]
 
 # The PTX ISA version each CUDA release's ptxas accepts at most (PTX ISA release notes).
 PTX_ISA_OF_RELEASE = {
   (12, 8): "8.7", (12, 9): "8.8", (13, 0): "9.0", (13, 1): "9.1", (13, 2): "9.2", (13, 3): "9.3", (13, 4): "9.4",
 }
-# What role 2 of the fast kernels must contain on each architecture (§5.1): the block-scaled QMMA and the bulk tensor
-# copy on SM120; FP8 wgmma and the bulk tensor copy on Hopper.
+# What role 2 must contain, by (kernel generation, architecture) (§5.1): the instructions each build is made of, so a
+# compiler change that drops one fails the build naming it. v2 on sm_120a: the block-scaled QMMA (the MMA seam)
+# over a cp.async pipeline whose weight tile ldmatrix reads; on sm_90a: the exact int8 MMA in its place. (The
+# paper's role 2 also holds cp.async.bulk.tensor: its TMA producer warp is not built yet, issue 6.)
+_QMMA = "mma.sync.aligned.kind::mxf8f6f4.block_scale.scale_vec::1X.m16n8k32.row.col.f32.e2m1.e4m3.f32.ue8m0"
 ROLE2_FEATURES = {
-  "sm_120a": ("mma.sync.aligned.kind::mxf8f6f4", "cp.async.bulk.tensor"),
-  "sm_90a": ("wgmma.mma_async", "cp.async.bulk.tensor"),
+  ("v2", "sm_90a"): ("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32", "cp.async.cg.shared.global",
+                     "ldmatrix.sync.aligned.m8n8.x4"),
+  ("v2", "sm_120a"): (_QMMA, "cp.async.cg.shared.global", "ldmatrix.sync.aligned.m8n8.x4"),
+  ("v2", "sm_121a"): (_QMMA, "cp.async.cg.shared.global", "ldmatrix.sync.aligned.m8n8.x4"),
 }
+
+
+def role2_features(generation: str, arch: str) -> tuple[str, ...]:
+  """The instructions role 2 of ``generation`` must contain on ``arch`` (none for the SIMT v1 kernels)."""
+  return ROLE2_FEATURES.get((generation, arch), ())
 # The ABI's parameter types in PTX (13 pointers, then tokens and clamp).
 ABI_PARAM_TYPES = (".u64",) * abi.NUM_POINTER_PARAMS + (".u32", ".f32")
 
@@ -107,16 +117,15 @@ def entries(ptx: str) -> list[EntryInfo]:
   return out
 
 
-def validate(ptx: str, *, role: int, arch: str, fast: bool = False,
+def validate(ptx: str, *, role: int, arch: str, features: tuple[str, ...] = (),
              param_types: tuple[str, ...] = ABI_PARAM_TYPES) -> EntryInfo:
   """Checks one role's PTX before assembly.
 
   Args:
     ptx: the module (exactly one ``.entry``).
     role: 1, 2 or 3.
-    arch: "sm_90a" or "sm_120a"; the ``.target`` must say so.
-    fast: the role 2 of the fast kernels (issues 6, 7): it must still contain the instructions of
-      `ROLE2_FEATURES` (the v1 kernels are SIMT and contain neither).
+    arch: "sm_90a", "sm_120a" or "sm_121a"; the ``.target`` must say so.
+    features: instructions role 2 must still contain (`role2_features`).
     param_types: the formal parameter types, in order (default: the kernel ABI).
 
   Raises:
@@ -135,8 +144,8 @@ def validate(ptx: str, *, role: int, arch: str, fast: bool = False,
   target = re.search(r"^\.target\s+(\S+)", ptx, re.M)
   if target is None or target.group(1).rstrip(",") != arch:
     raise PtxError(f"ptx: role {role} targets {target.group(1) if target else 'nothing'}, expected {arch}")
-  if fast and role == 2:
-    for feature in ROLE2_FEATURES[arch]:
+  if role == 2:
+    for feature in features:
       if feature not in ptx:
         raise PtxError(f"ptx: role 2 for {arch} lost `{feature}` (the compiler or a rewrite dropped it)")
   return e

@@ -41,6 +41,15 @@ Every wait is bounded as in v1 (``header.timeout_ns``); a timeout records (role 
 call leaves the next one clean.
 
 Roles 1 and 3 are v1's (role 3 also resets the counters). Role 2: block 256, dynamic SMEM `dynamic_smem`.
+
+**The sm_120a seam** (docs/sm120.md). Built for ``sm_120a``/``sm_121a``, everything above stays (items, pipeline,
+swizzled weight tile and ldmatrix fragments, epilogues, waits) and three things change: phase 0 and the requant
+store each block's E4M3 codes (plane 0) and its UE8M0 byte (``xsf``/``asf``, NaN block: 0xFF) instead of digit
+planes; a stage stages plane 0 and one packed scale word per row (`QMMA_TOKEN_STRIDE`); and `_stage_qmma` expands
+the weight nibbles into 8-bit containers (`_exp4`, the paper's compact path) and issues one block-scaled QMMA per
+K32 block, picking the block's scale byte with the byte-id immediate (`_qmma`). The pipeline depth comes from
+SM120's SMEM (`geometry.RTX_PRO_5000`). The hardware adds each block's scaled product to the FP32 accumulator
+itself, so this build is not bit-identical to the oracle by construction; it has not run (no SM120 GPU here).
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ from __future__ import annotations
 import cutlass
 from cutlass import Float32, Int32, Int64, cute
 
+from gcmoe_jax import geometry
 from gcmoe_jax.kernels import abi
 from gcmoe_jax.kernels import roles_v1 as v1
 from gcmoe_jax.kernels.build import Variant
@@ -62,11 +72,13 @@ SMALL_CAPACITY = 16  # routed-only variants up to this token capacity: passes of
 PLANES = abi.PLANES
 BLOCK_BYTES = PLANES * 32  # one (row, K32 block) of digit planes
 TOKEN_STRIDE = 4 * BLOCK_BYTES + 32  # SMEM bytes per token per K128 stage: padded so n-tile loads miss no bank twice
+QMMA_TOKEN_STRIDE = 4 * 32 + 32  # the sm_120a seam stages plane 0 only (E4M3 codes); conflict-free for lds.v2 too
 W_BYTES = TILE_M * 64  # weight tile per K128 (E2M1, 64 B per row)
 SC_BYTES = TILE_M * 4
 CTRL_BYTES = 1024  # [ok, count, ...] and per-slot token/assignment/route-weight words, then the expert table
 CTL_SLOT_SRC, CTL_SLOT_ASG, CTL_SLOT_RW = 16, 16 + 32 * NT_MAX, 16 + 64 * NT_MAX
 MAX_STAGES = 8
+STATIC_SMEM = 1024  # role 2's static SMEM as the DSL emits it (the build reports it; `build-kernels --report`)
 PIPE_STAGES = (4, 6)  # stages that fit the pipeline area at the widest pass: 1 CTA per SM, 2 CTAs per SM
 
 # The fast path needs n + 127 in [1, 226] for every element: 2**n normal, f32(D) * 2**n exact and finite. It is
@@ -80,15 +92,16 @@ F32_4096 = v1._f32_bits(4096.0)
 POS_LO, POS_HI = 0x03020100, 0x0C080604
 NEG_LO, NEG_HI = v1._i32(0xFDFEFF00), v1._i32(0xF4F8FAFC)
 SIGN_SELECT = 0x0000FF00  # prmt table whose byte 1 is 0xFF: a selector nibble of 1 gives an all-ones byte
+EXPAND_SELECT = 0x5140  # prmt selector of the sm_120a seam: bytes (w0, (w >> 4)0, w1, (w >> 4)1) of a 16-bit word
 
 
-def stage_bytes(nt: int) -> int:
-  return W_BYTES + SC_BYTES + nt * 8 * (16 + TOKEN_STRIDE)
+def stage_bytes(nt: int, token_stride: int = TOKEN_STRIDE) -> int:
+  return W_BYTES + SC_BYTES + nt * 8 * (16 + token_stride)
 
 
-def stages(nt: int, pipe_bytes: int) -> int:
+def stages(nt: int, pipe_bytes: int, token_stride: int = TOKEN_STRIDE) -> int:
   """Pipeline depth for ``nt`` n-tiles: as many K128 stages as fit ``pipe_bytes``, at most `MAX_STAGES`."""
-  return min(MAX_STAGES, pipe_bytes // stage_bytes(nt))
+  return min(MAX_STAGES, pipe_bytes // stage_bytes(nt, token_stride))
 
 
 # ---- PTX helpers (SMEM addresses are 32-bit shared-window addresses) ----------------------------------------------
@@ -149,6 +162,35 @@ def _mma_s8(a, b, c):
     write_only_types=[Int32] * 4, read_only_args=[a[0], a[1], a[2], a[3], b[0], b[1], c[0], c[1], c[2], c[3]])
 
 
+def _qmma(a, b, c, sfa, sfb, byte: int):
+  """The sm_120a seam: D = (A 2**(sfa - 127)) (B 2**(sfb - 127)) + C for K32 block ``byte`` of the packed scale
+  words (m16n8k32, E2M1 weights in 8-bit containers x E4M3 activations, UE8M0 scales, f32 accumulate; paper §4.3:
+  the byte-id immediate selects the block, so no scale byte is moved in the loop). Thread-id 0: lane 4 g + c of a
+  quad supplies the scale of A row g + 8 c (c in 0, 1) and lane 4 n that of B column n."""
+  return cute.arch.inline_ptx(
+    "{ .reg .f32 _d<4>, _c<4>; "
+    "mov.b32 _c0, {$r6}; mov.b32 _c1, {$r7}; mov.b32 _c2, {$r8}; mov.b32 _c3, {$r9}; "
+    "mma.sync.aligned.kind::mxf8f6f4.block_scale.scale_vec::1X.m16n8k32.row.col.f32.e2m1.e4m3.f32.ue8m0 "
+    "{_d0, _d1, _d2, _d3}, {{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, {_c0, _c1, _c2, _c3}, "
+    f"{{$r10}}, {{{byte}, 0}}, {{$r11}}, {{{byte}, 0}}; "
+    "mov.b32 {$w0}, _d0; mov.b32 {$w1}, _d1; mov.b32 {$w2}, _d2; mov.b32 {$w3}, _d3; }",
+    write_only_types=[Int32] * 4,
+    read_only_args=[a[0], a[1], a[2], a[3], b[0], b[1], c[0], c[1], c[2], c[3], sfa, sfb])
+
+
+def _exp4(w) -> Int32:
+  """The E2M1 codes in nibbles 0-3 of ``w`` in the 8-bit containers of the sm_120a MMA (code << 2, byte i = nibble
+  i): the compact path's ``prmt`` expansion (paper §4.3)."""
+  return (_prmt(w & 0xFFFF, (w & 0xFFFF) >> 4, Int32(EXPAND_SELECT)) & 0x0F0F0F0F) << 2
+
+
+def _e4m3_code(n) -> Int32:
+  """The E4M3 byte of ``n / 512`` for ``n`` = 512 x an E4M3 value (`roles_v1._e4m3_int`): exact, no rounding."""
+  f = v1._fmul(v1._i2f(n), Int32(v1._f32_bits(2.0 ** -9)))
+  return v1._ptx1("{ .reg .b16 _h; .reg .f32 _f, _z; mov.b32 _f, {$r0}; mov.f32 _z, 0f00000000; "
+                  "cvt.rn.satfinite.e4m3x2.f32 _h, _z, _f; cvt.u32.u16 {$w0}, _h; }", f) & 0xFF
+
+
 def _lds4(addr):
   return cute.arch.inline_ptx("ld.shared.v4.u32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
                               write_only_types=[Int32] * 4, read_only_args=[addr])
@@ -198,13 +240,20 @@ def _red_release_add(addr, v) -> None:
 
 
 class RoleKernelsV2(v1.RoleKernelsV1):
-  """v1's roles 1 and 3 and a tensor-core role 2 for one `Variant`."""
+  """v1's roles 1 and 3 and a tensor-core role 2 for one `Variant` and target architecture.
+
+  Everything but the MMA seam is shared between the targets: ``sm_90a`` runs the exact int8 digit-plane MMAs,
+  ``sm_120a`` (and ``sm_121a``) the block-scaled QMMA of paper §4.3 (`_qmma`) on E4M3 codes (plane 0 of each block)
+  and packed UE8M0 scale words (`abi.Workspace.xsf`/``asf``).
+  """
 
   GENERATION = "v2"
 
-  def __init__(self, variant: Variant):
+  def __init__(self, variant: Variant, arch: str = "sm_90a"):
     super().__init__(variant)
     v = variant
+    self.arch = arch
+    self.qmma = arch.startswith("sm_12")
     self.nblk_h = v.hidden // v1.K32
     self.nblk_i = v.intermediate // v1.K32
     self.j1 = 2 * v.intermediate // TILE_M
@@ -219,8 +268,21 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     small = v.capacity <= SMALL_CAPACITY and not v.shared
     self.nt_max = 2 if small else NT_MAX
     self.ctas = 2 if small else 1
-    self.pipe_bytes = PIPE_STAGES[self.ctas - 1] * stage_bytes(self.nt_max)
+    self.token_stride = QMMA_TOKEN_STRIDE if self.qmma else TOKEN_STRIDE
     self.v1_smem = v1.smem_bytes(variant) if v.shared else 0
+    if self.qmma:
+      # SM120's budget (99 KB per CTA, 100 KB per SM: `geometry.RTX_PRO_5000`): as many stages as fit c CTAs.
+      dev = geometry.RTX_PRO_5000
+      budget = (min(dev.smem_per_block, dev.smem_per_sm // self.ctas - dev.reserved_smem_per_block)
+                - STATIC_SMEM - self.pipe)
+      n = stages(self.nt_max, budget, self.token_stride)
+      if n < 2 or self.v1_smem > budget:
+        raise ValueError(f"roles_v2: {variant.key} does not fit SM120's SMEM at {self.ctas} CTA(s) per SM: "
+                         f"{n} pipeline stage(s) of {stage_bytes(self.nt_max, self.token_stride)} B, shared-expert "
+                         f"path {self.v1_smem} B, budget {budget} B")
+      self.pipe_bytes = n * stage_bytes(self.nt_max, self.token_stride)
+    else:
+      self.pipe_bytes = PIPE_STAGES[self.ctas - 1] * stage_bytes(self.nt_max)
 
   def dynamic_smem(self, role: int) -> int:
     return self.pipe + max(self.pipe_bytes, self.v1_smem) if role == 2 else 0
@@ -269,7 +331,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       b = q - t * self.nblk_h
       val = v1._ld_nc_bf16(x.toint() + (Int64(t) * v.hidden + b * v1.K32 + lane) * v1.BF16_BYTES)
       self._quantize_lane(val, lane, wsb + ws.xplanes + Int64(q) * BLOCK_BYTES, wsb + ws.xexp + Int64(q) * 4,
-                          wsb + ws.xflag + Int64(t) * 4, cur)
+                          wsb + ws.xflag + Int64(t) * 4, wsb + ws.xsf + Int64(q), cur)
     cute.arch.sync_threads()
     if tid == 0:
       cute.arch.fence_acq_rel_gpu()
@@ -379,12 +441,14 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     return ok
 
   @cute.jit
-  def _quantize_lane(self, val: Int32, lane: Int32, planes: Int64, exp_addr: Int64, flag_addr: Int64, cur: Int32):
+  def _quantize_lane(self, val: Int32, lane: Int32, planes: Int64, exp_addr: Int64, flag_addr: Int64, sf_addr: Int64,
+                     cur: Int32):
     """MXFP8 of one K32 block held one element per lane (float32 bits), written as digit planes + exponent word.
 
     The same arithmetic as `roles_v1._quantize_block` (amax over finite values, NaN/Inf flags the block, RNE onto
     E4M3 after the two-step scaling), with the amax and the flag reduced across the warp. A NaN block or an
-    exponent outside `abi.FAST_EXP` tags the row's flag word with ``cur``.
+    exponent outside `abi.FAST_EXP` tags the row's flag word with ``cur``. The sm_120a seam stores the block's
+    E4M3 codes in plane 0 and its UE8M0 byte at ``sf_addr`` instead (0xFF, NaN, for a NaN block).
     """
     a = val & v1.F32_ABS
     finite = a < v1.F32_INF
@@ -401,9 +465,14 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     m = cutlass.select_(n < 0, -n, n)
     sgn = cutlass.select_(n < 0, Int32(-1), Int32(1))
     mask = (1 << abi.DIGIT_BITS) - 1
-    _st_u8(planes + lane, sgn * (m & mask))
-    _st_u8(planes + 32 + lane, sgn * ((m >> abi.DIGIT_BITS) & mask))
-    _st_u8(planes + 64 + lane, sgn * (m >> (2 * abi.DIGIT_BITS)))
+    if cutlass.const_expr(self.qmma):
+      _st_u8(planes + lane, _e4m3_code(n))
+      if lane == 0:
+        _st_u8(sf_addr, cutlass.select_(bad != 0, Int32(0xFF), e + v1.F32_BIAS))
+    else:
+      _st_u8(planes + lane, sgn * (m & mask))
+      _st_u8(planes + 32 + lane, sgn * ((m >> abi.DIGIT_BITS) & mask))
+      _st_u8(planes + 64 + lane, sgn * (m >> (2 * abi.DIGIT_BITS)))
     if lane == 0:
       xe = e + v1.FP4_DOT_SHIFT
       v1._st(exp_addr, cutlass.select_(bad != 0, Int32(abi.NAN_WORD), xe << v1.F32_MANT_BITS))
@@ -438,10 +507,14 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     kb_n = (v.intermediate if cutlass.const_expr(g2) else v.hidden) // v1.K128
     nblk = self.nblk_i if cutlass.const_expr(g2) else self.nblk_h
     planes = wsb + (ws.aplanes if cutlass.const_expr(g2) else ws.xplanes)
-    exps = wsb + (ws.aexp if cutlass.const_expr(g2) else ws.xexp)
+    # Per-block scale data staged with the B operand: exponent words (sm_90a) or UE8M0 bytes (sm_120a).
+    if cutlass.const_expr(self.qmma):
+      exps = wsb + (ws.asf if cutlass.const_expr(g2) else ws.xsf)
+    else:
+      exps = wsb + (ws.aexp if cutlass.const_expr(g2) else ws.xexp)
     flags = wsb + (ws.aflag if cutlass.const_expr(g2) else ws.xflag)
-    st_bytes = stage_bytes(nt)
-    n_st = stages(nt, self.pipe_bytes)
+    st_bytes = stage_bytes(nt, self.token_stride)
+    n_st = stages(nt, self.pipe_bytes, self.token_stride)
     pw_e = pw + Int64(e) * (kb_n * n_rows * v1.FP4_TILE_BYTES)
     psc_e = psc + Int64(e) * (n_rows * kb_n * v1.WORD_BYTES)
     row0 = j * TILE_M
@@ -484,11 +557,14 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       _commit()
       sb = pipe + (kb % n_st) * st_bytes
       scw = (_lds(sb + W_BYTES + (16 * warp + g) * 4), _lds(sb + W_BYTES + (16 * warp + g + 8) * 4))
-      byte_ok = (((scw[0] ^ (scw[0] << 1)) & (scw[1] ^ (scw[1] << 1))) & SCALE_BYTE_BITS) == SCALE_BYTE_BITS
-      if (rows_fast != 0) & byte_ok:
-        self._stage(True, nt, sb, scw, acc)
+      if cutlass.const_expr(self.qmma):
+        self._stage_qmma(nt, sb, scw, acc)
       else:
-        self._stage(False, nt, sb, scw, acc)
+        byte_ok = (((scw[0] ^ (scw[0] << 1)) & (scw[1] ^ (scw[1] << 1))) & SCALE_BYTE_BITS) == SCALE_BYTE_BITS
+        if (rows_fast != 0) & byte_ok:
+          self._stage(True, nt, sb, scw, acc)
+        else:
+          self._stage(False, nt, sb, scw, acc)
     _wait_group(0)
     cute.arch.sync_threads()  # the pipeline area is free: the epilogue reuses it
 
@@ -527,7 +603,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
           val = _lds_u16(pipe + (slot * 64 + 32 * half + lane) * 2) << v1.BF16_SHIFT
           blk = Int64(asg) * self.nblk_i + 2 * j + half
           self._quantize_lane(val, lane, wsb + ws.aplanes + blk * BLOCK_BYTES, wsb + ws.aexp + blk * 4,
-                              wsb + ws.aflag + Int64(asg) * 4, cur)
+                              wsb + ws.aflag + Int64(asg) * 4, wsb + ws.asf + blk, cur)
     cute.arch.sync_threads()  # the slot table and the pipeline area are rewritten by the next chunk
 
   @cute.jit
@@ -582,6 +658,33 @@ class RoleKernelsV2(v1.RoleKernelsV1):
             acc[4 * i + c] = v1._fadd(acc[4 * i + c], p)
 
   @cute.jit
+  def _stage_qmma(self, nt: cutlass.Constexpr, sb: Int32, scw, acc: cute.Tensor):
+    """The sm_120a seam for one K128 stage: four block-scaled QMMAs per n-tile, the K32 block picked by the
+    byte-id immediate from the packed scale words (A: this thread's row, g or g + 8 by lane parity; B: the slot's
+    word staged in place of the exponent words). The weight fragments are the sm_90a ones, expanded into 8-bit
+    containers instead of decoded to integers; the activation fragments are plane 0 (E4M3 codes)."""
+    warp, lane, g, t4 = _lanes()
+    slots = 8 * nt
+    xe_off = W_BYTES + SC_BYTES
+    xp_off = xe_off + slots * 16
+    q = lane // 8
+    r = 16 * warp + (q % 2) * 8 + lane % 8
+    sw = (r // 2) % 4
+    m01 = _ldsm_x4(sb + r * 64 + (((q // 2) ^ sw) << 4))
+    m23 = _ldsm_x4(sb + r * 64 + (((2 + q // 2) ^ sw) << 4))
+    words = (m01[0], m01[1], m01[2], m01[3], m23[0], m23[1], m23[2], m23[3])
+    a_all = tuple((_exp4(words[2 * s]), _exp4(words[2 * s + 1]), _exp4(words[2 * s] >> 16),
+                   _exp4(words[2 * s + 1] >> 16)) for s in range(v1.SUBS))
+    sfa = cutlass.select_(t4 == 1, scw[1], scw[0])
+    for i in cutlass.range_constexpr(nt):
+      sfb = _lds(sb + xe_off + (8 * i + g) * 16)
+      for s in cutlass.range_constexpr(v1.SUBS):
+        xp = sb + xp_off + (8 * i + g) * QMMA_TOKEN_STRIDE + s * 32 + 8 * t4
+        d = _qmma(a_all[s], _lds2(xp), (acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]), sfa, sfb, s)
+        for c in cutlass.range_constexpr(4):
+          acc[4 * i + c] = d[c]
+
+  @cute.jit
   def _issue(self, kb: Int32, sb: Int32, slots: cutlass.Constexpr, pw_e: Int64, psc_e: Int64, row0: Int32,
              n_rows: cutlass.Constexpr, kb_n: cutlass.Constexpr, nblk: cutlass.Constexpr, planes: Int64,
              exps: Int64, ctl: Int32):
@@ -597,20 +700,38 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       _cp4(sb + W_BYTES + tid * 4, psc_e + (Int64(row0 + tid) * kb_n + kb) * v1.WORD_BYTES)
     xe_off = W_BYTES + SC_BYTES
     xp_off = xe_off + slots * 16
-    if tid < slots:
-      src_row = _lds(ctl + CTL_SLOT_SRC + tid * 4)
-      _cp16(sb + xe_off + tid * 16, exps + (Int64(cutlass.max(src_row, 0)) * nblk + 4 * kb) * 4,
-            cutlass.select_(src_row >= 0, Int32(16), Int32(0)))
-    chunks = slots * (4 * BLOCK_BYTES // 16)
-    for i in cutlass.range_constexpr((chunks + THREADS - 1) // THREADS):
-      c = tid + i * THREADS
-      if c < chunks:
-        slot = c // (4 * BLOCK_BYTES // 16)
-        qq = c - slot * (4 * BLOCK_BYTES // 16)
-        src_row = _lds(ctl + CTL_SLOT_SRC + slot * 4)
-        _cp16(sb + xp_off + slot * TOKEN_STRIDE + qq * 16,
-              planes + (Int64(cutlass.max(src_row, 0)) * nblk + 4 * kb) * BLOCK_BYTES + qq * 16,
+    if cutlass.const_expr(self.qmma):
+      # One packed UE8M0 word per slot (a padding slot's is never read: its accumulators are dropped), and plane
+      # 0 (the E4M3 codes) of the stage's four blocks: 2 of the 6 chunks of each block.
+      if tid < slots:
+        src_row = _lds(ctl + CTL_SLOT_SRC + tid * 4)
+        if src_row >= 0:
+          _cp4(sb + xe_off + tid * 16, exps + Int64(src_row) * nblk + 4 * kb)
+      chunks = slots * 8
+      for i in cutlass.range_constexpr((chunks + THREADS - 1) // THREADS):
+        c = tid + i * THREADS
+        if c < chunks:
+          slot = c // 8
+          qq = c - slot * 8  # block qq // 2, half qq % 2 of its plane 0
+          src_row = _lds(ctl + CTL_SLOT_SRC + slot * 4)
+          _cp16(sb + xp_off + slot * QMMA_TOKEN_STRIDE + qq * 16,
+                planes + (Int64(cutlass.max(src_row, 0)) * nblk + 4 * kb + qq // 2) * BLOCK_BYTES + (qq % 2) * 16,
+                cutlass.select_(src_row >= 0, Int32(16), Int32(0)))
+    else:
+      if tid < slots:
+        src_row = _lds(ctl + CTL_SLOT_SRC + tid * 4)
+        _cp16(sb + xe_off + tid * 16, exps + (Int64(cutlass.max(src_row, 0)) * nblk + 4 * kb) * 4,
               cutlass.select_(src_row >= 0, Int32(16), Int32(0)))
+      chunks = slots * (4 * BLOCK_BYTES // 16)
+      for i in cutlass.range_constexpr((chunks + THREADS - 1) // THREADS):
+        c = tid + i * THREADS
+        if c < chunks:
+          slot = c // (4 * BLOCK_BYTES // 16)
+          qq = c - slot * (4 * BLOCK_BYTES // 16)
+          src_row = _lds(ctl + CTL_SLOT_SRC + slot * 4)
+          _cp16(sb + xp_off + slot * TOKEN_STRIDE + qq * 16,
+                planes + (Int64(cutlass.max(src_row, 0)) * nblk + 4 * kb) * BLOCK_BYTES + qq * 16,
+                cutlass.select_(src_row >= 0, Int32(16), Int32(0)))
 
 
 RoleKernelsV2.role2_tc.set_name_prefix("gcmoe_role2_compute_v2", remove_cutlass_symbol=True, keep_mangled_name=False)
