@@ -25,6 +25,12 @@ def _kernels(text: str) -> str:
   return text
 
 
+def _ablation(text: str) -> str:
+  if text not in ("", "nomath", "nogemm2"):
+    raise ValueError("expected nomath, nogemm2 or empty")
+  return text
+
+
 def _bool(text: str) -> bool:
   if text.lower() in ("1", "true", "yes", "on"):
     return True
@@ -40,6 +46,9 @@ VARS = {v.name: v for v in (
                                             "partition is the aligned rest of the device"),
   Var("GCMOE_KERNELS", _kernels, "v2", "role-kernel generation: v2 (int8 tensor-core GEMMs, docs/kernels.md) or v1 "
                                        "(the SIMT reference kernels); part of the cubin key"),
+  Var("GCMOE_ABLATION", _ablation, "", "benchmarking only, results are WRONG: build role 2 (v2) with one part left "
+                                       "out to attribute its time (nomath: no weight decode, MMA or epilogue math "
+                                       "per stage; nogemm2: no GEMM2 items); part of the cubin key"),
   Var("GCMOE_WAIT_TIMEOUT_MS", int, 2000, "bound of every device spin-wait; expiry becomes a Python exception"),
   Var("GCMOE_SYNC_CHECK", _bool, False, "synchronise after each CUDA call and raise a device fault at once "
                                         "(tests, debugging); otherwise it is raised by the next call"),

@@ -39,7 +39,7 @@ def test_baselines_match_bf16_yardstick(impl, family):
 @pytest.fixture(scope="module")
 def tiny_rows():
   impls = ("ragged_dot", "dense_gather", "emulated", "gcmoe:reference")
-  return sweep.run(TINY, (1, 3), impls, iters=2, warmup=1, bandwidth=2e10, progress=False)
+  return sweep.run(TINY, (1, 3), impls, iters=2, warmup=1, bandwidth=2e10, fp8_rate=1e18, chain=2, progress=False)
 
 
 def test_sweep_rows(tiny_rows):
@@ -48,7 +48,9 @@ def test_sweep_rows(tiny_rows):
   for r in tiny_rows:
     assert r.latency_us > 0 and r.min_us <= r.latency_us and r.note == ""
     assert 1 <= r.distinct_experts <= min(TINY.experts, r.batch * TINY.top_k)
-    assert r.floor_us == pytest.approx(1e6 * r.weight_bytes / 2e10)
+    assert r.floor_us == pytest.approx(1e6 * r.weight_bytes / 2e10) and r.floor_term == "memory"
+    # 6 H I FLOPs per routed assignment (no padding in the default routes): B k of them per layer.
+    assert r.flops == pytest.approx(6 * 512 * 256 * r.batch * TINY.top_k)
     assert r.speedup[r.impl] == 1.0 if r.impl in sweep.BASELINES else r.speedup["ragged_dot"] > 0
   # One MXFP4 expert of H x I with its scales: 3 H I / 2 payload bytes + 3 H I / 32 scale bytes.
   r = tiny_rows[0]
@@ -72,9 +74,20 @@ def test_sweep_writes_csv_png_and_table(tiny_rows, tmp_path):
   assert md[0].startswith("| impl | B |") and len(md) == 2 + len(tiny_rows)
 
 
-def test_dense_gather_skipped_above_budget():
-  rows = sweep.run(TINY, (2,), ("dense_gather",), iters=1, warmup=1, bandwidth=1e10, max_gather_bytes=1,
+def test_compute_floor_takes_over_at_a_low_fp8_rate():
+  rows = sweep.run(TINY, (3,), ("gcmoe:reference",), iters=1, warmup=1, bandwidth=1e15, fp8_rate=1e9, chain=1,
                    progress=False)
+  r = rows[0]
+  assert r.floor_term == "compute" and r.floor_us == pytest.approx(1e6 * r.flops / 1e9)
+
+
+def test_measure_fp8_rate():
+  assert sweep.measure_fp8_rate(128, iters=2) > 1e6  # 1 MFLOP/s: any machine
+
+
+def test_dense_gather_skipped_above_budget():
+  rows = sweep.run(TINY, (2,), ("dense_gather",), iters=1, warmup=1, bandwidth=1e10, fp8_rate=1e18,
+                   max_gather_bytes=1, progress=False)
   assert math.isnan(rows[0].latency_us) and rows[0].note.startswith("skipped: gathers")
 
 

@@ -7,13 +7,21 @@ One run times, on the default device, for every batch B in the sweep:
 * ``emulated``      `reference.moe_emulated` under `jax.jit` (the oracle; slow by design);
 * ``gcmoe:<b>``     `gcmoe_jax.moe(..., backend=b)` for every backend `gcmoe_jax.explain` reports available.
 
-Timing: the function is compiled and called ``warmup`` times, then the median of ``iters`` calls, each ended by
-`block_until_ready` (the only host synchronisation in the timed region). Inputs live on the device beforehand.
+Timing, as a decode step runs layers: one jitted program chains ``chain`` layers (each layer's output is the next
+one's input), every layer with its own routes and alternating between two copies of the weights, so no layer finds
+its weights in L2 and no input repeats. The program is compiled and run ``warmup`` times, then ``iters`` times;
+the latency of a point is the median over those runs of (program time / ``chain``), each run ended by
+`block_until_ready` (the only host synchronisation in the timed region; inputs live on the device beforehand).
 
-The weight-streaming floor of a batch is the time to read, once, the quantized weights the batch must touch: the
-distinct experts its routes hit times the MXFP4 bytes of one expert (payload and scales), plus the shared expert's
-MXFP8 bytes, divided by the device memory bandwidth measured in the same run (`measure_bandwidth`). It holds for
-every implementation (BF16 baselines read 3.8x more bytes, so they cannot reach it).
+The floor of a batch is the larger of two times (issue 6):
+
+* memory: reading, once, the quantized weights the batch must touch (the distinct experts its routes hit times the
+  MXFP4 bytes of one expert, payload and scales, plus the shared expert's MXFP8 bytes) at the device memory
+  bandwidth measured in the same run (`measure_bandwidth`);
+* compute: the expert GEMMs' ``6 H I`` FLOPs per routed assignment (``6 H Is`` per token for the shared expert) at
+  the dense FP8 GEMM rate measured in the same run (`measure_fp8_rate`).
+
+It holds for every implementation (BF16 baselines read 3.8x more bytes, so they cannot reach it).
 """
 
 from __future__ import annotations
@@ -37,16 +45,18 @@ from gcmoe_jax import api, formats, geometry, reference
 from gcmoe_jax.bench import baselines
 from gcmoe_jax.bench.problems import DEMO_SHAPE, make_routes
 
-__all__ = ["BASELINES", "IMPLS", "BenchShape", "Row", "default_impls", "measure_bandwidth", "model_shape", "plot",
-           "run", "to_markdown", "write_csv"]
+__all__ = ["BASELINES", "IMPLS", "BenchShape", "Row", "default_impls", "measure_bandwidth", "measure_fp8_rate",
+           "model_shape", "plot", "run", "to_markdown", "write_csv"]
 
 BASELINES = ("ragged_dot", "dense_gather")
 IMPLS = (*BASELINES, "emulated", *(f"gcmoe:{b}" for b in api.BACKENDS if b != "auto"))
 DEFAULT_RANKS = 8
 DEFAULT_MAX_GATHER_BYTES = 8 << 30
+DEFAULT_CHAIN = 8
 CSV_COLUMNS = ("model", "device", "impl", "batch", "experts", "hidden", "intermediate", "top_k",
-               "shared_intermediate", "distinct_experts", "weight_bytes", "bandwidth_gbs", "floor_us", "latency_us",
-               "min_us", "latency_over_floor", "floor_pct", *(f"speedup_vs_{b}" for b in BASELINES), "note")
+               "shared_intermediate", "distinct_experts", "weight_bytes", "bandwidth_gbs", "flops", "fp8_tflops",
+               "floor_us", "floor_term", "latency_us", "min_us", "latency_over_floor", "floor_pct",
+               *(f"speedup_vs_{b}" for b in BASELINES), "note")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +149,19 @@ def measure_bandwidth(nbytes: int | None = None, *, iters: int = 10) -> float:
   return max(2 * x.nbytes / copy, x.nbytes / read)
 
 
+def measure_fp8_rate(n: int | None = None, *, iters: int = 10) -> float:
+  """Dense FP8 GEMM rate in FLOP/s: ``[n, n] x [n, n]`` E4M3 operands, FP32 result, under `jax.jit` (cuBLASLt on
+  Hopper). ``n`` defaults to 8192 on accelerators and 256 on CPU (where XLA emulates FP8 and the rate only keeps
+  the compute floor of CPU runs honest, not meaningful)."""
+  if n is None:
+    n = 256 if jax.default_backend() == "cpu" else 8192
+  ka, kb = jax.random.split(jax.random.key(0))
+  a = jax.random.normal(ka, (n, n), jnp.float32).astype(jnp.float8_e4m3fn)
+  b = jax.random.normal(kb, (n, n), jnp.float32).astype(jnp.float8_e4m3fn)
+  f = jax.jit(lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.float32))  # both operands K-major
+  return 2 * n**3 / statistics.median(time_call(f, (a, b), iters=iters, warmup=2))
+
+
 def _expert_bytes(w: formats.ExpertWeights) -> tuple[float, int]:
   """(MXFP4 bytes of one routed expert incl. scales, MXFP8 bytes of the shared expert incl. scales or 0)."""
   routed = sum(a.nbytes for a in (w.w13, w.w13_scale, w.w2, w.w2_scale)) / w.num_experts
@@ -159,6 +182,8 @@ class Row:
   distinct_experts: int
   weight_bytes: int
   bandwidth: float  # bytes/s
+  flops: float = 0.0  # expert GEMM FLOPs of one call (6 H I per assignment, 6 H Is per token for the shared)
+  fp8_rate: float = math.inf  # FLOP/s
   latency_us: float = math.nan
   min_us: float = math.nan
   speedup: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -166,7 +191,12 @@ class Row:
 
   @property
   def floor_us(self) -> float:
-    return 1e6 * self.weight_bytes / self.bandwidth
+    return max(1e6 * self.weight_bytes / self.bandwidth, 1e6 * self.flops / self.fp8_rate)
+
+  @property
+  def floor_term(self) -> str:
+    """Which bound the floor is: "memory" or "compute"."""
+    return "compute" if self.flops / self.fp8_rate > self.weight_bytes / self.bandwidth else "memory"
 
   @property
   def latency_over_floor(self) -> float:
@@ -177,7 +207,8 @@ class Row:
     d = {"model": self.model, "device": self.device, "impl": self.impl, "batch": self.batch, "experts": s.experts,
          "hidden": s.hidden, "intermediate": s.intermediate, "top_k": s.top_k,
          "shared_intermediate": s.shared_intermediate or 0, "distinct_experts": self.distinct_experts,
-         "weight_bytes": self.weight_bytes, "bandwidth_gbs": self.bandwidth / 1e9, "floor_us": self.floor_us,
+         "weight_bytes": self.weight_bytes, "bandwidth_gbs": self.bandwidth / 1e9, "flops": self.flops,
+         "fp8_tflops": self.fp8_rate / 1e12, "floor_us": self.floor_us, "floor_term": self.floor_term,
          "latency_us": self.latency_us, "min_us": self.min_us, "latency_over_floor": self.latency_over_floor,
          "floor_pct": 100.0 / self.latency_over_floor, "note": self.note}
     for b in BASELINES:
@@ -198,16 +229,25 @@ class _Problem:
     self.quantized = jax.jit(formats.quantize_experts, static_argnames="shared_group")(
       w13, w2, shared=shared, shared_group=s.shared_group)
     self.routed_bytes, self.shared_bytes = _expert_bytes(self.quantized)
+    # A second copy of each (same values, other buffers): consecutive layers of a timed chain alternate, so a
+    # layer never finds its weights in L2.
+    copy = lambda t: jax.tree_util.tree_map(lambda a: jnp.array(a, copy=True), t)  # noqa: E731
+    self.bf16_sets = (self.bf16, copy(self.bf16))
+    self.quantized_sets = (self.quantized, copy(self.quantized))
     self.seed = seed
 
-  def inputs(self, batch: int) -> tuple[jax.Array, jax.Array, jax.Array, int]:
-    """(x bf16 [B, H], ids int32 [B, k], weights float32 [B, k], weight bytes the batch touches)."""
+  def inputs(self, batch: int, chain: int = 1) -> tuple[jax.Array, jax.Array, jax.Array, float, float]:
+    """x bf16 [B, H]; ids int32 [chain, B, k] and weights float32 [chain, B, k], fresh routes per layer; the mean
+    over the layers of the distinct experts hit and of the valid assignments."""
     s = self.shape
     rng = np.random.default_rng([self.seed, batch])
-    ids, weights = make_routes(rng, "default", batch, s.experts, s.top_k)
     x = jnp.asarray(rng.standard_normal((batch, s.hidden), np.float32), jnp.bfloat16)
-    distinct = int(np.unique(ids[ids >= 0]).size)
-    return x, jnp.asarray(ids), jnp.asarray(weights), distinct
+    routes = [make_routes(rng, "default", batch, s.experts, s.top_k) for _ in range(chain)]
+    ids = np.stack([r[0] for r in routes])
+    weights = np.stack([r[1] for r in routes])
+    distinct = float(np.mean([np.unique(i[i >= 0]).size for i in ids]))
+    assignments = float(np.mean([(i >= 0).sum() for i in ids]))
+    return x, jnp.asarray(ids), jnp.asarray(weights), distinct, assignments
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
@@ -218,18 +258,30 @@ def _random_bf16_weights(key: jax.Array, e: int, h: int, i: int, i_s: int | None
   return normal(k1, (e, h, 2 * i), h), normal(k2, (e, i, h), i), shared
 
 
-def _impl_call(impl: str, p: _Problem, x: jax.Array, ids: jax.Array, rw: jax.Array) -> tuple[Callable, tuple]:
-  """The jitted callable of ``impl`` and its arguments (weights are arguments, never baked-in constants)."""
-  clamp = p.shape.clamp
+def _layer(impl: str, clamp: float | None) -> Callable:
+  """``layer(x, weights, ids, rw) -> y`` of ``impl`` (weights: the BF16 triple or `ExpertWeights`)."""
   if impl in BASELINES:
     f = baselines.ragged_dot_moe if impl == "ragged_dot" else baselines.dense_gather_moe
-    fn = jax.jit(lambda x, w13, w2, ids, rw, shared: f(x, w13, w2, ids, rw, shared=shared, clamp=clamp))
-    return fn, (x, *p.bf16[:2], ids, rw, p.bf16[2])
+    return lambda x, w, ids, rw: f(x, w[0], w[1], ids, rw, shared=w[2], clamp=clamp)
   if impl == "emulated":
-    return jax.jit(functools.partial(reference.moe_emulated, clamp=clamp)), (x, p.quantized, ids, rw)
+    return lambda x, w, ids, rw: reference.moe_emulated(x, w, ids, rw, clamp=clamp)
   backend = impl.split(":", 1)[1]
-  fn = jax.jit(lambda x, w, r: api.moe(x, w, r, clamp=clamp, backend=backend))
-  return fn, (x, p.quantized, api.Routes(ids, rw))
+  return lambda x, w, ids, rw: api.moe(x, w, api.Routes(ids, rw), clamp=clamp, backend=backend)
+
+
+def _impl_call(impl: str, p: _Problem, x: jax.Array, ids: jax.Array, rw: jax.Array) -> tuple[Callable, tuple]:
+  """The jitted chain of ``impl`` over the layers' routes ``ids``/``rw`` ``[chain, B, k]``, and its arguments
+  (weights are arguments, never baked-in constants): layer n reads weight copy n % 2 and the output of layer n - 1."""
+  layer = _layer(impl, p.shape.clamp)
+  chain = int(ids.shape[0])
+
+  def run(x, sets, ids, rw):
+    for n in range(chain):
+      x = layer(x, sets[n % 2], ids[n], rw[n])
+    return x
+
+  sets = p.bf16_sets if impl in BASELINES else p.quantized_sets
+  return jax.jit(run), (x, sets, ids, rw)
 
 
 def check_impls(impls: Sequence[str]) -> None:
@@ -269,6 +321,7 @@ class Progress:
 
 def run(shape: BenchShape, batches: Sequence[int], impls: Sequence[str] | None = None, *, iters: int = 10,
         warmup: int = 2, seed: int = 0, bandwidth: float | None = None, bandwidth_nbytes: int | None = None,
+        fp8_rate: float | None = None, chain: int = DEFAULT_CHAIN,
         max_gather_bytes: int = DEFAULT_MAX_GATHER_BYTES, progress: bool = True) -> list[Row]:
   """Times every implementation at every batch size; one `Row` each, baseline speed-ups filled in.
 
@@ -280,6 +333,8 @@ def run(shape: BenchShape, batches: Sequence[int], impls: Sequence[str] | None =
     seed: weights and routes seed (random, never zeros).
     bandwidth: bytes/s for the floor; measured with `measure_bandwidth` when None.
     bandwidth_nbytes: the probe's buffer size (`measure_bandwidth`'s default when None).
+    fp8_rate: dense FP8 GEMM FLOP/s for the compute floor; measured with `measure_fp8_rate` when None.
+    chain: layers per timed program (module docstring).
     max_gather_bytes: ``dense_gather`` is skipped (with a note) when one slot's gathered weights exceed this.
     progress: draw a progress bar on stderr.
 
@@ -292,20 +347,26 @@ def run(shape: BenchShape, batches: Sequence[int], impls: Sequence[str] | None =
     raise ValueError(f"bench: batch sizes must be >= 1, got {list(batches)}")
   if iters < 1:
     raise ValueError(f"bench: iters must be >= 1, got {iters}")
-  bar = Progress((bandwidth is None) + len(batches) * len(impls)) if progress else None
+  if chain < 1:
+    raise ValueError(f"bench: chain must be >= 1, got {chain}")
+  bar = Progress((bandwidth is None) + (fp8_rate is None) + len(batches) * len(impls)) if progress else None
   if bar and bandwidth is None:
     bar.step("measuring bandwidth")
   bw = measure_bandwidth(bandwidth_nbytes) if bandwidth is None else bandwidth
+  if bar and fp8_rate is None:
+    bar.step("measuring the FP8 GEMM rate")
+  rate = measure_fp8_rate() if fp8_rate is None else fp8_rate
   device = jax.devices()[0].device_kind
   p = _Problem(shape, seed)
   rows = []
   for b in batches:
-    x, ids, rw, distinct = p.inputs(b)
+    x, ids, rw, distinct, assignments = p.inputs(b, chain)
     weight_bytes = round(distinct * p.routed_bytes) + p.shared_bytes
+    flops = 6.0 * shape.hidden * (assignments * shape.intermediate + b * (shape.shared_intermediate or 0))
     for impl in impls:
       if bar:
         bar.step(f"{impl} B={b}")
-      row = Row(shape.name, device, impl, b, shape, distinct, weight_bytes, bw)
+      row = Row(shape.name, device, impl, b, shape, round(distinct), weight_bytes, bw, flops, rate)
       gathered = baselines.dense_gather_bytes(b, shape.hidden, shape.intermediate)
       if impl == "dense_gather" and gathered > max_gather_bytes:
         row.note = f"skipped: gathers {gathered / 2**30:.1f} GiB per slot (> --max-gather-gib)"
@@ -316,7 +377,7 @@ def run(shape: BenchShape, batches: Sequence[int], impls: Sequence[str] | None =
         except Exception as e:  # noqa: BLE001 - one failing point (e.g. out of memory) must not lose the sweep
           row.note = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         else:
-          row.latency_us, row.min_us = 1e6 * statistics.median(times), 1e6 * min(times)
+          row.latency_us, row.min_us = 1e6 * statistics.median(times) / chain, 1e6 * min(times) / chain
       rows.append(row)
   if bar:
     bar.close()
@@ -350,11 +411,12 @@ def _fmt(v: float, spec: str) -> str:
 
 def to_markdown(rows: Sequence[Row]) -> str:
   """A Markdown table: latency, floor, latency / floor and the speed-up over each baseline."""
-  head = ["impl", "B", "experts hit", "median us", "floor us", "x floor", "% of floor",
+  head = ["impl", "B", "experts hit", "median us", "floor us (term)", "x floor", "% of floor",
           *(f"vs {b}" for b in BASELINES), "note"]
   lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
   for r in rows:
-    cells = [r.impl, str(r.batch), str(r.distinct_experts), _fmt(r.latency_us, ".1f"), _fmt(r.floor_us, ".2f"),
+    cells = [r.impl, str(r.batch), str(r.distinct_experts), _fmt(r.latency_us, ".1f"),
+             f"{_fmt(r.floor_us, '.2f')} ({r.floor_term})",
              _fmt(r.latency_over_floor, ".1f"), _fmt(100.0 / r.latency_over_floor, ".2f"),
              *(_fmt(r.speedup[b], ".2f") + "x" if not math.isnan(r.speedup[b]) else "-" for b in BASELINES), r.note]
     lines.append("| " + " | ".join(cells) + " |")

@@ -57,6 +57,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                  help="memory bandwidth in GB/s for the floor, instead of measuring it")
   p.add_argument("--bandwidth-mib", type=int, default=None,
                  help="buffer of the bandwidth probe in MiB (default 64 on CPU, 1024 on accelerators)")
+  p.add_argument("--fp8-tflops", type=float, default=None,
+                 help="dense FP8 GEMM rate in TFLOP/s for the compute floor, instead of measuring it")
+  p.add_argument("--chain", type=int, default=sweep.DEFAULT_CHAIN,
+                 help=f"layers chained in one timed program (default {sweep.DEFAULT_CHAIN}; see the module docs)")
   p.add_argument("--out", default="bench-results", help="directory for the CSV and PNG (default bench-results)")
   custom = p.add_argument_group("custom shape (--model custom)")
   custom.add_argument("--experts", type=int, help="local experts E")
@@ -111,19 +115,23 @@ def run(args: argparse.Namespace) -> int:
   print(f"gcmoe_jax {gm.__version__} on jax {jax.__version__}, device: {device.device_kind} "
         f"({jax.default_backend()}, {os.cpu_count()} host CPUs)")
   print(shape.describe())
-  print(f"B = {','.join(map(str, batches))}; impls = {','.join(impls)}; median of {args.iters} calls after "
-        f"{args.warmup} warm-up")
+  print(f"B = {','.join(map(str, batches))}; impls = {','.join(impls)}; median of {args.iters} runs of a "
+        f"{args.chain}-layer chain after {args.warmup} warm-up")
   try:
     rows = sweep.run(shape, batches, impls, iters=args.iters, warmup=args.warmup, seed=args.seed,
                      bandwidth=None if args.bandwidth is None else args.bandwidth * 1e9,
                      bandwidth_nbytes=None if args.bandwidth_mib is None else args.bandwidth_mib << 20,
+                     fp8_rate=None if args.fp8_tflops is None else args.fp8_tflops * 1e12, chain=args.chain,
                      max_gather_bytes=int(args.max_gather_gib * 2**30))
   except (TypeError, ValueError) as e:
     print(e, file=sys.stderr)
     return 2
   bw = rows[0].bandwidth if rows else float("nan")
+  rate = rows[0].fp8_rate if rows else float("nan")
   how = "given" if args.bandwidth is not None else "measured"
-  print(f"\n{how} memory bandwidth: {bw / 1e9:.1f} GB/s (floor = weight bytes touched / bandwidth)\n")
+  how_rate = "given" if args.fp8_tflops is not None else "measured"
+  print(f"\n{how} memory bandwidth: {bw / 1e9:.1f} GB/s; {how_rate} dense FP8 GEMM rate: {rate / 1e12:.1f} TFLOP/s "
+        f"(floor = max(weight bytes touched / bandwidth, 6 H I per assignment / FP8 rate))\n")
   print(sweep.to_markdown(rows))
   os.makedirs(args.out, exist_ok=True)
   stem = os.path.join(args.out, f"bench_{args.model}")

@@ -48,7 +48,16 @@ def _preset_paper() -> list[tuple[int, ...]]:
           for v in ((h, i, e, k, cap), (h, i, e, k, cap, i, _SHARED_GROUP))]
 
 
-PRESETS = {"tests": _preset_tests, "paper": _preset_paper}
+def _preset_multigpu() -> list[tuple[int, ...]]:
+  """tests/test_multigpu.py and scratch EP runs at R = 2: the collective transport's local op runs k = 1 over
+  R * B * k rows (small shape: E/R = 8, k = 4, B = 4: 32 rows; GLM5.2: B = 1 and 8 or 16), and the owner's shared
+  expert over B rows."""
+  small = [(512, 256, 8, 1, 64), (512, 256, 8, 1, 8, 256, 128)]
+  h, i, e, k = _PAPER["glm5.2"]
+  return small + [(h, i, e, 1, 16), (h, i, e, 1, 256)]
+
+
+PRESETS = {"tests": _preset_tests, "paper": _preset_paper, "multigpu": _preset_multigpu}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

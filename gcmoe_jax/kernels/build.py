@@ -212,7 +212,8 @@ def source_sha256() -> str:
 def cache_key(arch: str, variant: Variant) -> str:
   """``<variant.key>-<arch>-<generation>-<source SHA-256[:12]>``: the directory of one build."""
   _check_arch(arch)
-  return f"{variant.key}-{arch}-{generation()}-{source_sha256()[:12]}"
+  ablation = _config.get("GCMOE_ABLATION")
+  return f"{variant.key}-{arch}-{generation()}{'+' + ablation if ablation else ''}-{source_sha256()[:12]}"
 
 
 def default_cache_dir() -> pathlib.Path:
@@ -378,7 +379,8 @@ def _compile_roles(arch: str, variant: Variant, out: pathlib.Path) -> list[dict[
     # §5.1 validation of the PTX that was assembled: one entry, the ABI's formals, the target, and role 2's
     # instructions (a lost feature fails the build naming it).
     try:
-      ptx_pipeline.validate(ptx, role=r, arch=arch, features=ptx_pipeline.role2_features(gen, arch))
+      ablated = bool(_config.get("GCMOE_ABLATION"))  # a timing build leaves instructions out on purpose
+      ptx_pipeline.validate(ptx, role=r, arch=arch, features=() if ablated else ptx_pipeline.role2_features(gen, arch))
     except ptx_pipeline.PtxError as err:
       raise BuildError(f"build: role {r} of {variant.key} for {arch}: {err}") from err
     res = cubin_resources(cubin, entry["name"])

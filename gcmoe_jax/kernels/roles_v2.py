@@ -57,7 +57,7 @@ from __future__ import annotations
 import cutlass
 from cutlass import Float32, Int32, Int64, cute
 
-from gcmoe_jax import geometry
+from gcmoe_jax import _config, geometry
 from gcmoe_jax.kernels import abi
 from gcmoe_jax.kernels import roles_v1 as v1
 from gcmoe_jax.kernels.build import Variant
@@ -254,6 +254,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     v = variant
     self.arch = arch
     self.qmma = arch.startswith("sm_12")
+    self.ablation = _config.get("GCMOE_ABLATION")  # timing builds only (wrong results): see `_config`
     self.nblk_h = v.hidden // v1.K32
     self.nblk_i = v.intermediate // v1.K32
     self.j1 = 2 * v.intermediate // TILE_M
@@ -367,7 +368,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     if cutlass.const_expr(v.shared):
       n_shared = n_tok
     n1 = n_hit * self.j1
-    n2 = n_hit * self.j2
+    n2 = n_hit * (0 if cutlass.const_expr(self.ablation == "nogemm2") else self.j2)
     n_items = cutlass.select_(ok != 0, n1 + n2 + n_shared, Int32(0))
     failed = Int32(0)
     for item in range(bid, n_items, grid32):
@@ -557,7 +558,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       _commit()
       sb = pipe + (kb % n_st) * st_bytes
       scw = (_lds(sb + W_BYTES + (16 * warp + g) * 4), _lds(sb + W_BYTES + (16 * warp + g + 8) * 4))
-      if cutlass.const_expr(self.qmma):
+      if cutlass.const_expr(self.ablation == "nomath"):
+        acc[0] = acc[0] + scw[0] + scw[1]  # keeps the scale loads; no decode, MMA or epilogue
+      elif cutlass.const_expr(self.qmma):
         self._stage_qmma(nt, sb, scw, acc)
       else:
         byte_ok = (((scw[0] ^ (scw[0] << 1)) & (scw[1] ^ (scw[1] << 1))) & SCALE_BYTE_BITS) == SCALE_BYTE_BITS
