@@ -235,6 +235,17 @@ def _lanes():
   return tid // 32, lane, lane // 4, lane % 4
 
 
+def _weight_words(sb, warp, lane):
+  """The stage's weight fragments of this thread, raw: word t4 (nibbles 8 t4..8 t4 + 7) of rows g and g + 8 of each
+  K32 block, 2 s and 2 s + 1 for block s (ldmatrix.x4 twice from the tile swizzled by ``(row >> 1) & 3``)."""
+  q = lane // 8
+  r = 16 * warp + (q % 2) * 8 + lane % 8
+  sw = (r // 2) % 4
+  m01 = _ldsm_x4(sb + r * 64 + (((q // 2) ^ sw) << 4))
+  m23 = _ldsm_x4(sb + r * 64 + (((2 + q // 2) ^ sw) << 4))
+  return (m01[0], m01[1], m01[2], m01[3], m23[0], m23[1], m23[2], m23[3])
+
+
 def _red_release_add(addr, v) -> None:
   cute.arch.inline_ptx("red.release.gpu.global.add.u32 [{$r0}], {$r1};", read_only_args=[addr, Int32(v)])
 
@@ -625,14 +636,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     xp_off = xe_off + slots * 16
     magic4 = (Int32(MAGIC), Int32(MAGIC), Int32(MAGIC), Int32(MAGIC))
     zero4 = (Int32(0), Int32(0), Int32(0), Int32(0))
-    # Weight fragments: thread (g, t4) gets word t4 (nibbles 8 t4..8 t4 + 7) of rows g and g + 8 of each block,
-    # decoded once per stage (16 registers) and reused by every n-tile.
-    q = lane // 8
-    r = 16 * warp + (q % 2) * 8 + lane % 8
-    sw = (r // 2) % 4
-    m01 = _ldsm_x4(sb + r * 64 + (((q // 2) ^ sw) << 4))
-    m23 = _ldsm_x4(sb + r * 64 + (((2 + q // 2) ^ sw) << 4))
-    words = (m01[0], m01[1], m01[2], m01[3], m23[0], m23[1], m23[2], m23[3])
+    # Weight fragments decoded once per stage (16 registers) and reused by every n-tile.
+    words = _weight_words(sb, warp, lane)
     a_all = tuple((_dec4(words[2 * s]), _dec4(words[2 * s + 1]), _dec4(words[2 * s] >> 16),
                    _dec4(words[2 * s + 1] >> 16)) for s in range(v1.SUBS))
     for i in cutlass.range_constexpr(nt):
@@ -670,12 +675,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     slots = 8 * nt
     xe_off = W_BYTES + SC_BYTES
     xp_off = xe_off + slots * 16
-    q = lane // 8
-    r = 16 * warp + (q % 2) * 8 + lane % 8
-    sw = (r // 2) % 4
-    m01 = _ldsm_x4(sb + r * 64 + (((q // 2) ^ sw) << 4))
-    m23 = _ldsm_x4(sb + r * 64 + (((2 + q // 2) ^ sw) << 4))
-    words = (m01[0], m01[1], m01[2], m01[3], m23[0], m23[1], m23[2], m23[3])
+    words = _weight_words(sb, warp, lane)
     a_all = tuple((_exp4(words[2 * s]), _exp4(words[2 * s + 1]), _exp4(words[2 * s] >> 16),
                    _exp4(words[2 * s + 1] >> 16)) for s in range(v1.SUBS))
     sfa = cutlass.select_(t4 == 1, scw[1], scw[0])
