@@ -249,6 +249,19 @@ def test_variant_parse_and_key():
   assert v.key == "h6144_i2048_e32_k8_t64_s2048g128" and v.shared
 
 
+def test_an_ablation_build_has_its_own_cubin_key(monkeypatch):
+  """GCMOE_ABLATION timing builds (wrong results by design) can never be loaded for a normal run: the ablation is in
+  the key; a malformed value is rejected naming the variable."""
+  monkeypatch.delenv("GCMOE_ABLATION", raising=False)
+  plain = build.cache_key("sm_90a", SMALL)
+  monkeypatch.setenv("GCMOE_ABLATION", "nomath")
+  ablated = build.cache_key("sm_90a", SMALL)
+  assert "+nomath-" in ablated and "+" not in plain and ablated != plain
+  monkeypatch.setenv("GCMOE_ABLATION", "fast")
+  with pytest.raises(ValueError, match=r"GCMOE_ABLATION must be .*got 'fast'"):
+    build.cache_key("sm_90a", SMALL)
+
+
 @pytest.mark.parametrize("text, match", [
   ("512,256,8,4", "expected 5 or 7"),
   ("512,256,8,4,x", "ints"),
