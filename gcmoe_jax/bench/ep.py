@@ -1,0 +1,178 @@
+"""Expert parallelism end to end over R devices (issues 9, 11): dispatch, experts and combine of a whole layer.
+
+Times ``gm.moe(..., backend=b, axis_name="ep", transport=t)`` inside `jax.shard_map` over the first R devices on
+the paper's per-rank shapes (L = E / R local experts, B tokens per rank), against the JAX user's expert-parallel
+baseline: the same exchange over ``ragged_all_to_all`` with BF16 `jax.lax.ragged_dot` experts (``baseline``; GPU
+only, XLA:CPU does not implement ``ragged_all_to_all``).
+
+Timing is `sweep`'s: one jitted program chains ``chain`` layers (each layer's output is the next one's tokens,
+fresh routes per layer, two alternating weight copies), the median over ``iters`` runs of program time / chain.
+One process drives every device, so a program ends with its slowest rank: the latency is the maximum over ranks.
+
+  python -m gcmoe_jax.bench.ep --model glm5.2 --ranks 8 --batch 1,2,4,8,16 --impl gcmoe:cuda,baseline
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import statistics
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from gcmoe_jax import api, formats, sharding
+from gcmoe_jax.bench import baselines, sweep
+from gcmoe_jax.bench.problems import make_routes
+
+__all__ = ["EpRow", "measure", "program", "run", "to_markdown"]
+
+TRANSPORTS = ("collective", "ragged")
+
+
+@dataclasses.dataclass
+class EpRow:
+  """One (implementation, transport, B per rank) point on R devices; latency in microseconds (nan with a note)."""
+
+  impl: str
+  transport: str
+  ranks: int
+  batch: int
+  latency_us: float = math.nan
+  note: str = ""
+
+
+def _weights(shape: sweep.BenchShape, ranks: int, mesh: jax.sharding.Mesh, seed: int, bf16: bool):
+  """(quantized, BF16-or-None) global weights of E = L R experts, generated and quantized on their devices."""
+  e, h, i = shape.experts * ranks, shape.hidden, shape.intermediate
+
+  def make(key):
+    k1, k2 = jax.random.split(key)
+    w13 = (jax.random.normal(k1, (e, h, 2 * i), jnp.float32) / math.sqrt(h)).astype(jnp.bfloat16)
+    w2 = (jax.random.normal(k2, (e, i, h), jnp.float32) / math.sqrt(i)).astype(jnp.bfloat16)
+    return w13, w2
+
+  experts = NamedSharding(mesh, P("ep"))
+  w13, w2 = jax.jit(make, out_shardings=(experts, experts))(jax.random.key(seed))
+  q = jax.jit(lambda a, b: formats.quantize_experts(a.astype(jnp.float32), b.astype(jnp.float32)))(w13, w2)
+  q = jax.device_put(q, sharding.expert_shardings(q, mesh))
+  return q, ((w13, w2) if bf16 else None)
+
+
+def program(shape: sweep.BenchShape, ranks: int, batch: int, impl: str, transport: str, *,
+            chain: int = sweep.DEFAULT_CHAIN, seed: int = 0, weights=None):
+  """``(f, args)``: the jitted chain of ``chain`` expert-parallel layers of ``impl`` (``gcmoe:<backend>`` or
+  ``baseline``) on R devices, and its arguments ``(x, quantized weights, the two copies the layers read, ids
+  [chain, T, k], weights [chain, T, k])`` (global arrays, sharded over the mesh)."""
+  mesh = jax.make_mesh((ranks,), ("ep",), devices=jax.devices()[:ranks])
+  q, bf = weights if weights is not None else _weights(shape, ranks, mesh, seed, impl == "baseline")
+  # Two copies of the weights the layer reads (the baseline's BF16 pair; gcmoe's quantized experts).
+  read = bf if impl == "baseline" else q
+  copies = (read, jax.tree_util.tree_map(lambda a: jnp.array(a, copy=True), read))
+  e, t = shape.experts * ranks, batch * ranks
+  rng = np.random.default_rng([seed, batch])
+  routes = [make_routes(rng, "default", t, e, shape.top_k) for _ in range(chain)]
+  ids = jnp.asarray(np.stack([r[0] for r in routes]))
+  rw = jnp.asarray(np.stack([r[1] for r in routes]))
+  x = jnp.asarray(rng.standard_normal((t, shape.hidden)), jnp.bfloat16)
+
+  if impl == "baseline":
+    def layer(x, q, read, ids, rw):
+      # The exchange is the library's (it needs the quantized experts' count only); the experts are BF16
+      # ragged_dot on this rank's slice of the BF16 weights.
+      def local(x, w, ids, weights, *, clamp):
+        del w
+        return baselines.ragged_dot_moe(x, read[0], read[1], ids, weights, clamp=clamp)
+      return sharding.moe_shard_map_body(x, q, ids, rw, axis_name="ep", local_fn=local, clamp=shape.clamp,
+                                         transport=transport)
+  else:
+    backend = impl.split(":", 1)[1]
+
+    def layer(x, q, read, ids, rw):
+      return api.moe(x, read, api.Routes(ids, rw), clamp=shape.clamp, backend=backend, axis_name="ep",
+                     transport=transport)
+
+  def body(x, q, copies, ids, rw):
+    for n in range(chain):
+      x = layer(x, q, copies[n % 2], ids[n], rw[n])
+    return x
+
+  qspec = sharding.expert_specs(q)
+  rspec = (P("ep"), P("ep")) if impl == "baseline" else qspec
+  routes_spec = P(None, "ep")
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"), qspec, (rspec, rspec), routes_spec, routes_spec),
+                            out_specs=P("ep")))
+  tokens = NamedSharding(mesh, P("ep"))
+  per_layer = NamedSharding(mesh, routes_spec)
+  args = (jax.device_put(x, tokens), q, copies, jax.device_put(ids, per_layer), jax.device_put(rw, per_layer))
+  return f, args
+
+
+def measure(shape: sweep.BenchShape, ranks: int, batch: int, impl: str, transport: str, *, iters: int = 10,
+            warmup: int = 2, chain: int = sweep.DEFAULT_CHAIN, seed: int = 0, weights=None) -> float:
+  """Median seconds of one expert-parallel layer (``impl`` ``gcmoe:<backend>`` or ``baseline``) on R devices."""
+  f, args = program(shape, ranks, batch, impl, transport, chain=chain, seed=seed, weights=weights)
+  return statistics.median(sweep.time_call(f, args, iters=iters, warmup=warmup)) / chain
+
+
+def run(shape: sweep.BenchShape, ranks: int, batches: Sequence[int], impls: Sequence[str],
+        transports: Sequence[str] = TRANSPORTS, **kw) -> list[EpRow]:
+  """Every (impl, transport, B) point; the baseline runs on ``ragged`` only (the JAX user's choice). A point that
+  cannot run here (no ``ragged_all_to_all`` on XLA:CPU, a backend that is unavailable) keeps its row with the
+  reason."""
+  for impl in impls:
+    if impl != "baseline" and not impl.startswith("gcmoe:"):
+      raise ValueError(f"bench.ep: impl must be gcmoe:<backend> or baseline, got {impl!r}")
+  if not 2 <= ranks <= len(jax.devices()):
+    raise ValueError(f"bench.ep: ranks must be in [2, {len(jax.devices())}] (the devices here), got {ranks}")
+  rows = []
+  for b in batches:
+    for impl in impls:
+      for t in (("ragged",) if impl == "baseline" else transports):
+        row = EpRow(impl, t, ranks, b)
+        try:
+          row.latency_us = 1e6 * measure(shape, ranks, b, impl, t, **kw)
+        except Exception as e:  # noqa: BLE001 - one point that cannot run must not lose the others
+          row.note = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        rows.append(row)
+  return rows
+
+
+def to_markdown(rows: Sequence[EpRow]) -> str:
+  base = {r.batch: r.latency_us for r in rows if r.impl == "baseline"}
+  lines = ["| B per rank | R | impl | transport | median us per layer | vs baseline | note |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+  for r in rows:
+    ratio = base.get(r.batch, math.nan) / r.latency_us
+    lines.append(f"| {r.batch} | {r.ranks} | {r.impl} | {r.transport} | "
+                 f"{'-' if math.isnan(r.latency_us) else f'{r.latency_us:.1f}'} | "
+                 f"{'-' if math.isnan(ratio) else f'{ratio:.2f}x'} | {r.note} |")
+  return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--model", default="glm5.2", choices=["glm5.2", "dsv4.1-flash", "demo"])
+  p.add_argument("--ranks", type=int, default=None, help="mesh size R (default: every device)")
+  p.add_argument("--batch", default="1,2,4,8,16", help="tokens per rank, a comma list")
+  p.add_argument("--impl", default="gcmoe:cuda,baseline", help="gcmoe:<backend> and/or baseline")
+  p.add_argument("--transport", default="collective,ragged", help="transports of the gcmoe rows")
+  p.add_argument("--iters", type=int, default=10)
+  p.add_argument("--chain", type=int, default=sweep.DEFAULT_CHAIN)
+  args = p.parse_args(argv)
+  ranks = args.ranks or len(jax.devices())
+  shape = sweep.model_shape(args.model, ranks=ranks)
+  print(f"{ranks} x {jax.devices()[0].device_kind}; {shape.describe()} per rank")
+  rows = run(shape, ranks, [int(v) for v in args.batch.split(",")], args.impl.split(","),
+             args.transport.split(","), iters=args.iters, chain=args.chain)
+  print(to_markdown(rows))
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

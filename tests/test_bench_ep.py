@@ -1,0 +1,53 @@
+"""The expert-parallel benchmark (gcmoe_jax.bench.ep) on CPU devices: its programs compute the layer, rows say why
+a point cannot run."""
+
+import jax
+import numpy as np
+import pytest
+
+from gcmoe_jax import reference
+from gcmoe_jax.bench import ep, sweep
+from gcmoe_jax.bench.accuracy import cosine
+
+TINY = sweep.BenchShape("tiny", experts=4, hidden=512, intermediate=256, top_k=2, clamp=10.0)
+R = 2
+
+
+@pytest.fixture(autouse=True)
+def _devices():
+  if len(jax.devices()) < R:
+    pytest.skip(f"needs {R} devices (tests run with jax_num_cpu_devices=8)")
+
+
+def test_gcmoe_program_is_the_oracle_layer_by_layer():
+  f, args = ep.program(TINY, R, 3, "gcmoe:cpu", "collective", chain=2)
+  x, _, copies, ids, rw = jax.device_get(args)  # host copies: the oracle runs unsharded
+  want = np.asarray(x)
+  for n in range(2):
+    want = reference.moe_emulated(want, copies[n % 2], np.asarray(ids)[n], np.asarray(rw)[n], clamp=10.0)
+  np.testing.assert_array_equal(np.asarray(f(*args)).view(np.uint16), np.asarray(want).view(np.uint16))
+
+
+def test_baseline_program_is_the_bf16_moe():
+  # On CPU the baseline runs over the collective transport (XLA:CPU has no ragged_all_to_all); the experts are the
+  # BF16 ragged_dot ones either way.
+  f, args = ep.program(TINY, R, 3, "baseline", "collective", chain=1)
+  x, _, copies, ids, rw = jax.device_get(args)
+  w13, w2 = copies[0]
+  want = reference.moe_bf16(x, w13, w2, ids[0], rw[0], clamp=10.0)
+  assert cosine(np.asarray(f(*args), np.float32), np.asarray(want, np.float32)) > 0.999
+
+
+def test_run_keeps_a_row_for_every_point_with_the_reason():
+  rows = ep.run(TINY, R, [1], ["gcmoe:cpu", "baseline"], iters=1, warmup=1, chain=1)
+  assert [(r.impl, r.transport) for r in rows] == [("gcmoe:cpu", "collective"), ("gcmoe:cpu", "ragged"),
+                                                   ("baseline", "ragged")]
+  assert rows[0].latency_us > 0 and rows[0].note == ""
+  if jax.default_backend() == "cpu":
+    assert "ragged-all-to-all" in rows[1].note and np.isnan(rows[1].latency_us)
+  table = ep.to_markdown(rows).splitlines()
+  assert table[0].startswith("| B per rank | R | impl |") and len(table) == 2 + len(rows)
+  with pytest.raises(ValueError, match="impl must be gcmoe:<backend> or baseline, got 'pallas'"):
+    ep.run(TINY, R, [1], ["pallas"])
+  with pytest.raises(ValueError, match=r"ranks must be in \[2, \d+\]"):
+    ep.run(TINY, 1, [1], ["gcmoe:cpu"])
