@@ -142,6 +142,19 @@ def test_role1_publishes_with_release_and_role3_advances_the_epoch(built, arch):
 
 @needs_dsl
 @pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
+@pytest.mark.parametrize("arch", build.ARCHS)
+def test_finalize_occupancy_directive_follows_the_geometry(built, arch):
+  """§5.1 "finalize occupancy": on SM120 role 3's .minnctapersm is the CTAs per SM the geometry plans its grid with;
+  Hopper keeps CuTe's directive."""
+  meta = built[arch]
+  want = build._finalize_ctas(arch, SMALL)
+  assert meta["roles"][2]["minnctapersm"] == want and (want > 1) == arch.startswith("sm_12")
+  directives = re.findall(r"^\.minnctapersm (\d+)$", _ptx(meta, 3), re.M)
+  assert directives in ([str(want)], [] if want == 1 else [str(want)]), directives
+
+
+@needs_dsl
+@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
 @pytest.mark.parametrize("variant", [SMALL, SMALL_SHARED], ids=["routed", "shared"])
 def test_sm120_role2_fits_the_rtx_pro_5000_smem(cache, variant):
   """The sm_120a role 2 sizes its pipeline for SM120's 99 KB per CTA / 100 KB per SM at its CTAs per SM."""

@@ -36,7 +36,7 @@ import tempfile
 import time
 from typing import Any
 
-from gcmoe_jax import _config
+from gcmoe_jax import _config, geometry
 from gcmoe_jax.kernels import abi
 
 __all__ = [
@@ -331,6 +331,17 @@ def _check_role(role: int, variant: Variant, arch: str, entry: dict[str, Any], r
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _finalize_ctas(arch: str, variant: Variant) -> int:
+  """The finalize's ``.minnctapersm`` on SM120 (§5.1 "finalize occupancy"): the CTAs per SM the geometry's finalize
+  grid is planned with (`geometry.plan` on the RTX PRO 5000 at B = the variant's capacity); 1 elsewhere (Hopper
+  keeps CuTe's directive, as its verified builds have)."""
+  if not arch.startswith("sm_12"):
+    return 1
+  p = geometry.Problem(R=1, E=variant.experts, k=variant.top_k, B=variant.capacity, H=variant.hidden,
+                       I=variant.intermediate, shared=variant.shared, shared_I=variant.shared_intermediate)
+  return geometry.plan(p, device=geometry.RTX_PRO_5000).launch.finalize_ctas_per_sm
+
+
 def _compile_roles(arch: str, variant: Variant, out: pathlib.Path) -> list[dict[str, Any]]:
   """Compiles the three roles into ``out``; returns the manifest's role entries."""
   from cutlass import Float32, Int32, Uint8, cute
@@ -368,11 +379,14 @@ def _compile_roles(arch: str, variant: Variant, out: pathlib.Path) -> list[dict[
     cubin = (out / cubin_name).read_bytes()
     entry = parse_ptx_entry(ptx)
     ctas = kernels.ctas_per_sm(r)
-    if ctas > 1:
-      # Several CTAs per SM: the §5.1 rewrites (.minnctapersm and the eq. 4 register ceiling) and an assembly with
-      # the local ptxas (CuTe DSL queries a GPU for min_blocks_per_mp > 1, and there may be none here).
-      ptx = ptx_pipeline.rewrite_min_ctas(ptx, entry["name"], ctas)
-      ptx = ptx_pipeline.rewrite_max_registers(ptx, entry["name"], ctas, roles_v1.THREADS)
+    directive = _finalize_ctas(arch, variant) if r == 3 and gen == "v2" else ctas
+    if ctas > 1 or directive > 1:
+      # Several CTAs per SM: the §5.1 rewrites (.minnctapersm and the eq. 4 register ceiling; for the finalize
+      # only the directive, as the paper's "finalize occupancy") and an assembly with the local ptxas (CuTe DSL
+      # queries a GPU for min_blocks_per_mp > 1, and there may be none here).
+      ptx = ptx_pipeline.rewrite_min_ctas(ptx, entry["name"], directive)
+      if r != 3:
+        ptx = ptx_pipeline.rewrite_max_registers(ptx, entry["name"], ctas, roles_v1.THREADS)
       cubin = ptx_pipeline.assemble(ptx, arch)
       (out / ptx_name).write_text(ptx)
       (out / cubin_name).write_bytes(cubin)
@@ -395,6 +409,7 @@ def _compile_roles(arch: str, variant: Variant, out: pathlib.Path) -> list[dict[
       "grid": GRID_HINTS[r - 1],
       "dynamic_smem": kernels.dynamic_smem(r),
       "ctas_per_sm": kernels.ctas_per_sm(r),
+      "minnctapersm": directive,
       "static_smem": res["static_smem"],
       "registers": res["registers"],
       "local_bytes": res["local_bytes"],
