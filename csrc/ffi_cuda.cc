@@ -28,8 +28,8 @@
 namespace gcmoe {
 
 // Per call site (XLA instantiates once per executable, not per device): the kernel variant, and the Runtime of each
-// (device, T) taken from the process-wide graph cache on first use (shared with other call sites of the same key), behind
-// a mutex (PJRT runs each local device's call on its own thread).
+// (device, T) taken from the process-wide graph cache on first use (shared with other call sites of the same key),
+// behind a mutex (PJRT runs each local device's call on its own thread).
 struct MoeCudaState {
   static ffi::TypeId id;
   static std::atomic<int64_t> live;  // states alive in this process (tests: dropped executables free theirs)

@@ -46,8 +46,9 @@ emulated = jax.jit(reference.moe_emulated, static_argnames=("clamp",))
 
 
 def _run(mesh, x, w, r, clamp, transport="collective"):
-  body = lambda x, w, ids, wt: gm.moe(x, w, gm.Routes(ids, wt), clamp=clamp, backend="cuda", axis_name="ep",  # noqa: E731
-                                      transport=transport)
+  def body(x, w, ids, wt):
+    return gm.moe(x, w, gm.Routes(ids, wt), clamp=clamp, backend="cuda", axis_name="ep", transport=transport)
+
   specs = (P("ep"), sharding.expert_specs(w), P("ep"), P("ep"))
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("ep")))
   tokens = NamedSharding(mesh, P("ep"))

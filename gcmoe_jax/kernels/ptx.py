@@ -43,6 +43,8 @@ ROLE2_FEATURES = {
 def role2_features(generation: str, arch: str) -> tuple[str, ...]:
   """The instructions role 2 of ``generation`` must contain on ``arch`` (none for the SIMT v1 kernels)."""
   return ROLE2_FEATURES.get((generation, arch), ())
+
+
 # The ABI's parameter types in PTX (13 pointers, then tokens and clamp).
 ABI_PARAM_TYPES = (".u64",) * abi.NUM_POINTER_PARAMS + (".u32", ".f32")
 
