@@ -263,7 +263,6 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   def __init__(self, variant: Variant, arch: str = "sm_90a"):
     super().__init__(variant)
     v = variant
-    self.arch = arch
     self.qmma = arch.startswith("sm_12")
     self.ablation = _config.get("GCMOE_ABLATION")  # timing builds only (wrong results): see `_config`
     self.nblk_h = v.hidden // v1.K32
@@ -485,11 +484,12 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       _st_u8(planes + lane, sgn * (m & mask))
       _st_u8(planes + 32 + lane, sgn * ((m >> abi.DIGIT_BITS) & mask))
       _st_u8(planes + 64 + lane, sgn * (m >> (2 * abi.DIGIT_BITS)))
-    if lane == 0:
-      xe = e + v1.FP4_DOT_SHIFT
-      v1._st(exp_addr, cutlass.select_(bad != 0, Int32(abi.NAN_WORD), xe << v1.F32_MANT_BITS))
-      if (bad != 0) | (xe < abi.FAST_EXP[0]) | (xe > abi.FAST_EXP[1]):
-        v1._st(flag_addr, cur)
+    if cutlass.const_expr(not self.qmma):  # the sm_120a seam reads neither the exponent word nor the flag
+      if lane == 0:
+        xe = e + v1.FP4_DOT_SHIFT
+        v1._st(exp_addr, cutlass.select_(bad != 0, Int32(abi.NAN_WORD), xe << v1.F32_MANT_BITS))
+        if (bad != 0) | (xe < abi.FAST_EXP[0]) | (xe > abi.FAST_EXP[1]):
+          v1._st(flag_addr, cur)
 
   @cute.jit
   def _item(self, g2: cutlass.Constexpr, e: Int32, j: Int32, count: Int32, rwb: Int64, pw: Int64, psc: Int64,
@@ -545,11 +545,16 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         if cutlass.const_expr(not g2):
           src = asg // v.top_k
           rw = v1._ld_nc(rwb + Int64(asg) * v1.WORD_BYTES)
-        slow_row = cutlass.select_(_ld_gpu(flags + Int64(src) * 4) == cur, Int32(1), Int32(0))
+        if cutlass.const_expr(not self.qmma):  # the sm_120a seam has no slow path
+          slow_row = cutlass.select_(_ld_gpu(flags + Int64(src) * 4) == cur, Int32(1), Int32(0))
       _sts(ctl + CTL_SLOT_SRC + tid * 4, src)
       _sts(ctl + CTL_SLOT_ASG + tid * 4, asg)
       _sts(ctl + CTL_SLOT_RW + tid * 4, rw)
-    rows_fast = 1 - _bar_or(slow_row)
+    rows_fast = Int32(1)
+    if cutlass.const_expr(self.qmma):
+      cute.arch.sync_threads()  # the slot table is read by every thread
+    else:
+      rows_fast = 1 - _bar_or(slow_row)  # also the barrier after the slot table
 
     # ---- mainloop -------------------------------------------------------------------------------------------
     acc = cute.make_rmem_tensor(4 * nt, Int32)
@@ -703,38 +708,31 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       _cp4(sb + W_BYTES + tid * 4, psc_e + (Int64(row0 + tid) * kb_n + kb) * v1.WORD_BYTES)
     xe_off = W_BYTES + SC_BYTES
     xp_off = xe_off + slots * 16
-    if cutlass.const_expr(self.qmma):
-      # One packed UE8M0 word per slot (a padding slot's is never read: its accumulators are dropped), and plane
-      # 0 (the E4M3 codes) of the stage's four blocks: 2 of the 6 chunks of each block.
-      if tid < slots:
-        src_row = _lds(ctl + CTL_SLOT_SRC + tid * 4)
+    if tid < slots:
+      src_row = _lds(ctl + CTL_SLOT_SRC + tid * 4)
+      if cutlass.const_expr(self.qmma):
+        # One packed UE8M0 word per slot (a padding slot's is never read: its accumulators are dropped).
         if src_row >= 0:
           _cp4(sb + xe_off + tid * 16, exps + Int64(src_row) * nblk + 4 * kb)
-      chunks = slots * 8
-      for i in cutlass.range_constexpr((chunks + THREADS - 1) // THREADS):
-        c = tid + i * THREADS
-        if c < chunks:
-          slot = c // 8
-          qq = c - slot * 8  # block qq // 2, half qq % 2 of its plane 0
-          src_row = _lds(ctl + CTL_SLOT_SRC + slot * 4)
-          _cp16(sb + xp_off + slot * QMMA_TOKEN_STRIDE + qq * 16,
-                planes + (Int64(cutlass.max(src_row, 0)) * nblk + 4 * kb + qq // 2) * BLOCK_BYTES + (qq % 2) * 16,
-                cutlass.select_(src_row >= 0, Int32(16), Int32(0)))
-    else:
-      if tid < slots:
-        src_row = _lds(ctl + CTL_SLOT_SRC + tid * 4)
+      else:
         _cp16(sb + xe_off + tid * 16, exps + (Int64(cutlass.max(src_row, 0)) * nblk + 4 * kb) * 4,
               cutlass.select_(src_row >= 0, Int32(16), Int32(0)))
-      chunks = slots * (4 * BLOCK_BYTES // 16)
-      for i in cutlass.range_constexpr((chunks + THREADS - 1) // THREADS):
-        c = tid + i * THREADS
-        if c < chunks:
-          slot = c // (4 * BLOCK_BYTES // 16)
-          qq = c - slot * (4 * BLOCK_BYTES // 16)
-          src_row = _lds(ctl + CTL_SLOT_SRC + slot * 4)
-          _cp16(sb + xp_off + slot * TOKEN_STRIDE + qq * 16,
-                planes + (Int64(cutlass.max(src_row, 0)) * nblk + 4 * kb) * BLOCK_BYTES + qq * 16,
-                cutlass.select_(src_row >= 0, Int32(16), Int32(0)))
+    # The B operand, 16 B chunks: every plane of the stage's four blocks, or (sm_120a) plane 0 only, chunks 0 and 1
+    # of each block's six.
+    per_slot = 8 if self.qmma else 4 * BLOCK_BYTES // 16
+    chunks = slots * per_slot
+    for i in cutlass.range_constexpr((chunks + THREADS - 1) // THREADS):
+      c = tid + i * THREADS
+      if c < chunks:
+        slot = c // per_slot
+        qq = c - slot * per_slot
+        src_row = _lds(ctl + CTL_SLOT_SRC + slot * 4)
+        dst = sb + xp_off + slot * self.token_stride + qq * 16
+        if cutlass.const_expr(self.qmma):
+          src = planes + (Int64(cutlass.max(src_row, 0)) * nblk + 4 * kb + qq // 2) * BLOCK_BYTES + (qq % 2) * 16
+        else:
+          src = planes + (Int64(cutlass.max(src_row, 0)) * nblk + 4 * kb) * BLOCK_BYTES + qq * 16
+        _cp16(dst, src, cutlass.select_(src_row >= 0, Int32(16), Int32(0)))
 
 
 RoleKernelsV2.role2_tc.set_name_prefix("gcmoe_role2_compute_v2", remove_cutlass_symbol=True, keep_mangled_name=False)
