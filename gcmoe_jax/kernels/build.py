@@ -381,12 +381,12 @@ def _compile_roles(arch: str, variant: Variant, out: pathlib.Path) -> list[dict[
     ctas = kernels.ctas_per_sm(r)
     directive = _finalize_ctas(arch, variant) if r == 3 and gen == "v2" else ctas
     if ctas > 1 or directive > 1:
-      # Several CTAs per SM: the §5.1 rewrites (.minnctapersm and the eq. 4 register ceiling; for the finalize
-      # only the directive, as the paper's "finalize occupancy") and an assembly with the local ptxas (CuTe DSL
-      # queries a GPU for min_blocks_per_mp > 1, and there may be none here).
+      # Several CTAs per SM: the §5.1 rewrites (.minnctapersm, and the eq. 4 register ceiling of the CTAs the
+      # kernel is built to co-schedule: none for the finalize, whose directive is the paper's "finalize occupancy")
+      # and an assembly with the local ptxas (CuTe DSL queries a GPU for min_blocks_per_mp > 1, and there may be
+      # none here).
       ptx = ptx_pipeline.rewrite_min_ctas(ptx, entry["name"], directive)
-      if r != 3:
-        ptx = ptx_pipeline.rewrite_max_registers(ptx, entry["name"], ctas, roles_v1.THREADS)
+      ptx = ptx_pipeline.rewrite_max_registers(ptx, entry["name"], ctas, roles_v1.THREADS)
       cubin = ptx_pipeline.assemble(ptx, arch)
       (out / ptx_name).write_text(ptx)
       (out / cubin_name).write_bytes(cubin)

@@ -31,12 +31,11 @@ PTX_ISA_OF_RELEASE = {
 # compiler change that drops one fails the build naming it. v2 on sm_120a: the block-scaled QMMA (the MMA seam)
 # over a cp.async pipeline whose weight tile ldmatrix reads; on sm_90a: the exact int8 MMA in its place. (The
 # paper's role 2 also holds cp.async.bulk.tensor: its TMA producer warp is not built yet, issue 6.)
+_PIPELINE = ("cp.async.cg.shared.global", "ldmatrix.sync.aligned.m8n8.x4")
 _QMMA = "mma.sync.aligned.kind::mxf8f6f4.block_scale.scale_vec::1X.m16n8k32.row.col.f32.e2m1.e4m3.f32.ue8m0"
 ROLE2_FEATURES = {
-  ("v2", "sm_90a"): ("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32", "cp.async.cg.shared.global",
-                     "ldmatrix.sync.aligned.m8n8.x4"),
-  ("v2", "sm_120a"): (_QMMA, "cp.async.cg.shared.global", "ldmatrix.sync.aligned.m8n8.x4"),
-  ("v2", "sm_121a"): (_QMMA, "cp.async.cg.shared.global", "ldmatrix.sync.aligned.m8n8.x4"),
+  ("v2", "sm_90a"): ("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32", *_PIPELINE),
+  **{("v2", arch): (_QMMA, *_PIPELINE) for arch in ("sm_120a", "sm_121a")},
 }
 
 
