@@ -73,7 +73,7 @@ def program(shape: sweep.BenchShape, ranks: int, batch: int, impl: str, transpor
   q, bf = weights if weights is not None else _weights(shape, ranks, mesh, seed, impl == "baseline")
   # Two copies of the weights the layer reads (the baseline's BF16 pair; gcmoe's quantized experts).
   read = bf if impl == "baseline" else q
-  copies = (read, jax.tree_util.tree_map(lambda a: jnp.array(a, copy=True), read))
+  copies = (read, sweep.copy_weights(read))
   e, t = shape.experts * ranks, batch * ranks
   rng = np.random.default_rng([seed, batch])
   routes = [make_routes(rng, "default", t, e, shape.top_k) for _ in range(chain)]
