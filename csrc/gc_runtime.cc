@@ -27,7 +27,30 @@ std::map<std::string, std::shared_ptr<const VariantSpec>>& Registry() {
 
 std::atomic<int64_t> g_graph_instantiations{0};
 std::atomic<int64_t> g_live_runtimes{0};
-std::atomic<int32_t> g_stall_expert{-1};
+// Test hook: (device ordinal or -1 for every device) << 32 | expert (-1: off), one word so a reader never sees a
+// device from one call and an expert from another.
+std::atomic<int64_t> g_stall{-1};
+
+// Faults found by the runtimes of this process. When the process drives several devices (one process, several ranks
+// of an expert-parallel mesh), a rank that stopped at its call while its peers went on into the step's collectives
+// would leave them waiting in XLA's all-to-all for ever. So a fault found at a device's n-th call is reported by the
+// next call of every device that has run more than n calls, and by none before: ranks of one SPMD program make
+// their calls in step (runs start with a rendezvous of the local devices), so they all stop at the same call, after
+// the dispatch exchange and before the combine. A process that drives one device reports at once.
+struct FaultBoard {
+  std::mutex mu;
+  std::map<int, int64_t> calls;     // per device: calls made
+  std::map<int, int64_t> reported;  // per device: the generation it last reported
+  int64_t generation = 0;           // faults published
+  int64_t at_call = 0;              // the publishing device's call count at the newest fault
+  int origin = -1;
+  std::string message;
+};
+
+FaultBoard& Board() {
+  static auto* b = new FaultBoard;
+  return *b;
+}
 
 // Restores the thread's stream-capture mode on scope exit. Setup (allocation, library loads, green contexts) must
 // not be refused because XLA is capturing on another stream: relaxed mode permits it for this thread.
@@ -93,7 +116,19 @@ std::shared_ptr<const VariantSpec> FindVariant(const std::string& key) {
 
 int64_t GraphInstantiations() { return g_graph_instantiations.load(); }
 int64_t LiveRuntimes() { return g_live_runtimes.load(); }
-void SetStallExpert(int32_t e) { g_stall_expert.store(e); }
+void SetStallExpert(int32_t e, int32_t device) {
+  g_stall.store(static_cast<int64_t>(static_cast<uint64_t>(static_cast<uint32_t>(device)) << 32 |
+                                     static_cast<uint32_t>(e)));
+}
+
+namespace {
+// The expert the hook withholds on `device` (-1: none).
+int32_t StallExpertFor(int device) {
+  const int64_t v = g_stall.load();
+  const int32_t target = static_cast<int32_t>(v >> 32), e = static_cast<int32_t>(v & 0xffffffff);
+  return target < 0 || target == device ? e : -1;
+}
+}  // namespace
 
 namespace {
 
@@ -356,7 +391,7 @@ std::string Runtime::SetParams(const PointerParams& ptrs, bool exec) {
 
 // A fault recorded by an earlier replay (role 3 writes the pinned, mapped mirror, so reading it needs no
 // synchronisation; it may lag by the calls still in flight). Clears the fault on host and device.
-std::string Runtime::CheckFault(CUstream stream) {
+std::string Runtime::ReadFault(CUstream stream) {
   volatile WorkspaceHeader* h = host_header_;
   if (h->error_flag == 0) return "";
   std::string msg = "gcmoe_moe: a role kernel fault was recorded on device " + std::to_string(device_) + ": role " +
@@ -376,12 +411,33 @@ std::string Runtime::CheckFault(CUstream stream) {
   return msg;
 }
 
+// Counts this call on the board, publishes a fault this runtime found, and returns the newest fault this device
+// has not reported yet once it may (see FaultBoard).
+std::string Runtime::CheckFault(CUstream stream) {
+  std::string own = ReadFault(stream);
+  FaultBoard& b = Board();
+  std::lock_guard<std::mutex> lock(b.mu);
+  const int64_t call = ++b.calls[device_];
+  if (!own.empty()) {
+    b.generation += 1;
+    b.at_call = call;
+    b.origin = device_;
+    b.message = std::move(own);
+  }
+  int64_t& reported = b.reported.try_emplace(device_, 0).first->second;
+  if (reported == b.generation || (b.calls.size() > 1 && call <= b.at_call)) return "";
+  reported = b.generation;
+  if (b.origin == device_) return b.message;
+  return b.message + "; reported on device " + std::to_string(device_) + " too, so that every rank of this " +
+         "process stops at the same call instead of waiting for the faulty one in a collective";
+}
+
 std::string Runtime::SyncAndCheck(CUstream stream) {
   CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
   GCMOE_CU(cu_.cuStreamGetCaptureInfo(stream, &status, nullptr, nullptr, nullptr, nullptr, nullptr));
   if (status == CU_STREAM_CAPTURE_STATUS_ACTIVE) return "";  // nothing ran yet: the capture is replayed later
   GCMOE_CU(cu_.cuStreamSynchronize(stream));
-  return CheckFault(stream);
+  return ReadFault(stream);
 }
 
 std::string Runtime::Execute(CUstream stream, const PointerParams& ptrs) {
@@ -398,7 +454,7 @@ std::string Runtime::Execute(CUstream stream, const PointerParams& ptrs) {
   if (!capturing) {
     std::string fault = CheckFault(stream);
     if (!fault.empty()) return fault;
-    const int32_t stall = g_stall_expert.load();
+    const int32_t stall = StallExpertFor(device_);
     if (stall != stall_applied_) {  // test hook: role 1 withholds this expert
       static thread_local int32_t value;
       value = stall;
@@ -499,5 +555,6 @@ GCMOE_EXPORT int gcmoe_workspace_header_offsets(int64_t* out, int n) {
   return count;
 }
 
-// Test hook: role 1 of every later call never publishes expert `e` (-1: off), so role 2 times out.
-GCMOE_EXPORT void gcmoe_debug_set_stall_expert(int32_t e) { gcmoe::SetStallExpert(e); }
+// Test hook: role 1 of every later call on device ordinal `device` (-1: every device) never publishes expert `e`
+// (-1: off), so role 2 times out.
+GCMOE_EXPORT void gcmoe_debug_set_stall_expert(int32_t e, int32_t device) { gcmoe::SetStallExpert(e, device); }

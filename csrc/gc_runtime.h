@@ -88,7 +88,8 @@ class Runtime {
   ~Runtime();
 
   // Runs one call on `stream` (launch or splice into the capture). Returns "" or an error message; a fault recorded
-  // by an earlier replay is returned here (and cleared) before anything is launched. Thread-safe.
+  // by an earlier replay (of this runtime, or of another device's when the process drives several: FaultBoard in
+  // gc_runtime.cc) is returned here before anything is launched. Thread-safe.
   std::string Execute(CUstream stream, const PointerParams& ptrs);
 
   // GCMOE_SYNC_CHECK: waits for the stream, then reports a fault of this call at once.
@@ -98,7 +99,8 @@ class Runtime {
  private:
   Runtime(const CudaDriver& cu) : cu_(cu) {}
   std::string Init(std::shared_ptr<const VariantSpec> spec, CUstream stream, int64_t tokens, float clamp);
-  std::string CheckFault(CUstream stream);
+  std::string ReadFault(CUstream stream);   // this runtime's fault record, cleared ("" when none)
+  std::string CheckFault(CUstream stream);  // ReadFault through the process's FaultBoard
   std::string SetParams(const PointerParams& ptrs, bool exec);
   CUDA_KERNEL_NODE_PARAMS NodeParams(int role);  // role r's kernel node: kernel, green context, launch, params
 
@@ -130,7 +132,7 @@ class Runtime {
 // Test hooks and counters, reachable through ctypes.
 int64_t GraphInstantiations();
 int64_t LiveRuntimes();
-void SetStallExpert(int32_t e);
+void SetStallExpert(int32_t e, int32_t device);
 
 }  // namespace gcmoe
 

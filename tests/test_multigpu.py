@@ -5,10 +5,21 @@ One process drives all GPUs (each rank's call runs its own runtime, workspace an
 Skipped with fewer than two GPUs. The local op of the collective transport sees R * B * k rows with one route each
 (docs/expert_parallel.md), so the kernel variants are (H, I, E/R, k = 1, capacity of R * B * k) and, for the shared
 expert, (H, I, E/R, 1, capacity of B, Is, group): `python -m gcmoe_jax build-kernels --preset multigpu` builds them
-for R = 2.
+for R = 2, 4 and 8.
+
+The long runs and failure drills run in subprocesses (tests/ep_worker.py): one process driving every GPU, or one
+process per GPU through `jax.distributed`; a hang becomes a failed test at its deadline. Run with
+XLA_PYTHON_CLIENT_PREALLOCATE=false so that the workers find memory beside this process (docs/expert_parallel.md).
 """
 
 import dataclasses
+import os
+import pathlib
+import re
+import socket
+import subprocess
+import sys
+import time
 
 import jax
 import numpy as np
@@ -69,3 +80,89 @@ def test_every_case_family_over_all_gpus_equals_the_oracle(mesh, family, transpo
   want = np.asarray(emulated(x, w, r.ids, r.weights, clamp=10.0))
   print(f"\n  {family} R={ranks} {transport}: bit-exact share {np.mean(y.view(np.uint16) == want.view(np.uint16)):.6f}")
   np.testing.assert_array_equal(y.view(np.uint16), want.view(np.uint16), err_msg=f"{family} R={ranks} {transport}")
+
+
+# ---- Subprocess runs (tests/ep_worker.py): one process per GPU, long loops and failure drills -------------------
+# A subprocess turns a hang into a failed test. NVLink multicast stays off in every process (issue 11).
+_NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+_WORKER = pathlib.Path(__file__).with_name("ep_worker.py")
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def _launch(ranks: int, *args: str, per_process: bool, deadline_s: float = 240, **env: str) -> list[tuple[int, str]]:
+  """(exit code, output) of each worker process; fails the test when one is still running at the deadline."""
+  base = {**os.environ, **_NO_MULTICAST, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONUNBUFFERED": "1", **env}
+  if per_process:
+    port = _free_port()
+    cmds = [([sys.executable, str(_WORKER), *args, "--coordinator", f"localhost:{port}", "--num-processes",
+              str(ranks), "--process-id", str(i)], {**base, "CUDA_VISIBLE_DEVICES": str(i)}) for i in range(ranks)]
+  else:
+    cmds = [([sys.executable, str(_WORKER), *args], {**base, "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(ranks)))})]
+  procs = [subprocess.Popen(c, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c, e in cmds]
+  end = time.monotonic() + deadline_s
+  out = []
+  for i, proc in enumerate(procs):
+    try:
+      text, _ = proc.communicate(timeout=max(1.0, end - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      for q in procs:
+        q.kill()
+      text = proc.communicate()[0]
+      pytest.fail(f"worker {i} still running after {deadline_s} s (a hang):\n{_tail(text)}")
+    out.append((proc.returncode, text))
+  return out
+
+
+def _tail(text: str, lines: int = 25) -> str:
+  return "\n".join([line[:300] for line in text.splitlines() if not line.startswith("    @")][-lines:])
+
+
+@pytest.fixture(scope="module")
+def ranks():
+  n = len(_gpus())
+  if n < 2:
+    pytest.skip(f"needs >= 2 GPUs, found {n}")
+  return 8 if n >= 8 else 4 if n >= 4 else 2
+
+
+@pytest.mark.parametrize("per_process", [False, True], ids=["one-process", "process-per-gpu"])
+def test_1000_replays_with_fresh_inputs_stay_exact(ranks, per_process):
+  """Fresh inputs every step, every 100th step compared bit for bit, no graph instantiated after the first step."""
+  results = _launch(ranks, "--steps", "1000", "--check-every", "100", per_process=per_process, deadline_s=400)
+  for i, (rc, text) in enumerate(results):
+    print(f"\n  worker {i}: {_tail(text, 3)}")
+    assert rc == 0 and "OK 1000 steps" in text, f"worker {i} (rc {rc}):\n{_tail(text)}"
+
+
+def test_a_killed_rank_ends_the_others_with_a_diagnostic(ranks):
+  """The last rank's process exits abruptly at step 3: the others end (no hang) naming the lost task."""
+  results = _launch(ranks, "--steps", "50", "--die-at", "3", "--fault-rank", str(ranks - 1), "--heartbeat", "10",
+                    per_process=True, deadline_s=120)
+  for i, (rc, text) in enumerate(results[:-1]):
+    print(f"\n  survivor {i}: rc {rc}: {_tail(text, 4)}")
+    assert rc != 0, f"survivor {i} finished although rank {ranks - 1} died:\n{_tail(text)}"
+    assert re.search(r"heartbeat timeout|another task died|unhealthy", text), _tail(text)
+  assert results[-1][0] == 17, _tail(results[-1][1])
+
+
+@pytest.mark.parametrize("per_process", [False, True], ids=["one-process", "process-per-gpu"])
+def test_a_stalled_rank_raises_naming_its_device(ranks, per_process):
+  """Rank 1's role 1 withholds an expert from step 2: its role 2 gives up after 50 ms (the call ends on every rank,
+  that rank's outputs NaN), and a later call raises the recorded fault naming the device: on every rank of a process
+  that drives several (they stop at the same call, none waits in a collective), else on the faulty rank's process,
+  whose exit the others' coordination service detects."""
+  results = _launch(ranks, "--steps", "6", "--stall-at", "2", "--fault-rank", "1", "--heartbeat", "10",
+                    per_process=per_process, deadline_s=120, GCMOE_WAIT_TIMEOUT_MS="50")
+  text = "\n".join(t for _, t in results)
+  for i, (rc, t) in enumerate(results):
+    print(f"\n  worker {i}: rc {rc}: {_tail(t, 4)}")
+  assert re.search(r"step 2 shard \d+ NaN rows [1-9]", text), _tail(text)
+  device = 0 if per_process else 1  # one visible GPU per process: the faulty rank's device is its ordinal 0
+  assert re.search(rf"fault was recorded on device {device}: role 2, .*spin-wait exceeded its bound of 50 ms", text), \
+      _tail(text)
+  assert all(rc != 0 for rc, _ in results), "a rank finished all steps although rank 1 stalled"

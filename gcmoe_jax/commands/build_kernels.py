@@ -20,6 +20,8 @@ import pathlib
 import sys
 import time
 
+from gcmoe_jax import geometry
+
 # The GPU check set (docs/kernels.md): the small test shape (top-1, 4, 8) with and without a shared expert (group
 # 128 and 32), and the paper's per-rank shapes GLM5.2 (H 6144, I 2048, E 32, k 8) and DSV4.1-Flash (H 5120,
 # I 2304, E 48, k 6) at every token capacity, with and without a shared expert (Is = I, group 128).
@@ -49,12 +51,12 @@ def _preset_paper() -> list[tuple[int, ...]]:
 
 
 def _preset_multigpu() -> list[tuple[int, ...]]:
-  """tests/test_multigpu.py and scratch EP runs at R = 2: the collective transport's local op runs k = 1 over
-  R * B * k rows (small shape: E/R = 8, k = 4, B = 4: 32 rows; GLM5.2: B = 1 and 8 or 16), and the owner's shared
-  expert over B rows."""
-  small = [(512, 256, 8, 1, 64), (512, 256, 8, 1, 8, 256, 128)]
-  h, i, e, k = _PAPER["glm5.2"]
-  return small + [(h, i, e, 1, 16), (h, i, e, 1, 256)]
+  """tests/test_multigpu.py and `python -m gcmoe_jax.bench.ep` on 2, 4 and 8 GPUs: the collective transport's local
+  op runs k = 1 over R * B * k rows (small shape: E/R = 8, B = 4, k = 1..4: 8 to 128 rows; the paper models at
+  L = E / R, B = 1..16: up to 256 rows at R = 2), and the owner's shared expert over B rows."""
+  small = [(512, 256, 8, 1, cap) for cap in (8, 16, 64, 256)] + [(512, 256, 8, 1, 8, 256, 128)]
+  return small + [(m.H, m.I, m.E // r, 1, cap) for m in geometry.MODELS.values() for r in (2, 4, 8)
+                  for cap in (16, 64, 256)]
 
 
 PRESETS = {"tests": _preset_tests, "paper": _preset_paper, "multigpu": _preset_multigpu}

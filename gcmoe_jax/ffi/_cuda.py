@@ -185,7 +185,10 @@ def live_runtimes() -> int:
   return _process_counter("gcmoe_live_runtimes")
 
 
-def debug_set_stall_expert(expert: int) -> None:
-  """Test hook: role 1 of every later call withholds ``expert`` (-1: off), so role 2's wait expires."""
+def debug_set_stall_expert(expert: int, device: int | None = None) -> None:
+  """Test hook: role 1 of every later call withholds local ``expert`` (-1: off), so role 2's wait expires.
+
+  ``device``: the CUDA device ordinal whose calls stall (one rank of an expert-parallel mesh); None: every device.
+  """
   lib = _library.library()
-  lib.gcmoe_debug_set_stall_expert(ctypes.c_int32(expert))
+  lib.gcmoe_debug_set_stall_expert(ctypes.c_int32(expert), ctypes.c_int32(-1 if device is None else device))

@@ -1,0 +1,127 @@
+"""One rank (or one process driving every GPU) of the expert-parallel runs in tests/test_multigpu.py (issue 11).
+
+Started as a subprocess so that a hang is a timeout of the test, not of the suite, and so that ranks can be one
+process per GPU (``--process-id``: `jax.distributed` over a coordinator on localhost, one visible GPU each) or one
+process driving every GPU (no ``--process-id``). Every step draws fresh global inputs from one seed (identical in every
+process), runs ``gm.moe(..., backend="cuda", axis_name="ep")`` under `jax.shard_map`, and compares this process's
+shards of the output with `reference.moe_emulated` on the global inputs, bit for bit. Prints one line per step and
+``OK <steps>`` at the end; exits non-zero on the first mismatch or error.
+
+Failure drills: ``--die-at S`` makes process ``--fault-rank`` exit abruptly (os._exit) at step S, as a killed
+rank; ``--stall-at S`` makes rank ``--fault-rank``'s role 1 withhold a local expert from step S on (the runtime's
+stall hook), as a stalled rank: its role 2 waits past GCMOE_WAIT_TIMEOUT_MS, that call's outputs become NaN and
+the next call raises the fault naming the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def main(argv: list[str] | None = None) -> int:
+  p = argparse.ArgumentParser()
+  p.add_argument("--coordinator", default="")
+  p.add_argument("--num-processes", type=int, default=1)
+  p.add_argument("--process-id", type=int, default=None)
+  p.add_argument("--heartbeat", type=int, default=10, help="jax.distributed heartbeat timeout in seconds")
+  p.add_argument("--transport", default="collective")
+  p.add_argument("--backend", default="cuda", help="cuda; cpu for a dry run of this script on CPU devices")
+  p.add_argument("--steps", type=int, default=4)
+  p.add_argument("--check-every", type=int, default=1)
+  p.add_argument("--die-at", type=int, default=-1)
+  p.add_argument("--stall-at", type=int, default=-1)
+  p.add_argument("--fault-rank", type=int, default=1)
+  args = p.parse_args(argv)
+
+  import jax
+
+  if args.process_id is not None:
+    jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                               heartbeat_timeout_seconds=args.heartbeat, initialization_timeout=60,
+                               shutdown_timeout_seconds=args.heartbeat)
+  import jax.numpy as jnp
+  from jax.sharding import AxisType, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import gcmoe_jax as gm
+  from gcmoe_jax import formats, reference, sharding
+  from gcmoe_jax.bench.problems import Shape, make_routes, make_weights
+  from gcmoe_jax.ffi import debug_set_stall_expert, graph_instantiations
+
+  gpus = jax.devices()
+  ranks = len(gpus)
+  me = jax.process_index()
+  mesh = jax.sharding.Mesh(np.array(gpus), ("ep",), axis_types=(AxisType.Explicit,))  # rank r is gpus[r]
+  shape = Shape(experts=8 * ranks, hidden=512, intermediate=256, top_k=4, tokens=4 * ranks, shared_intermediate=256)
+  rng = np.random.default_rng(1234)
+  w13, w2, shared = make_weights(rng, shape)
+  local = jax.local_devices()[0]
+  w = jax.device_put(formats.quantize_experts(jax.device_put(w13, local), jax.device_put(w2, local),
+                                              shared=jax.device_put(shared, local)), local)
+  w_host = jax.tree_util.tree_map(np.asarray, w)
+
+  def global_array(value, s):
+    return jax.make_array_from_callback(value.shape, s, lambda index: value[index])
+
+  w_global = jax.tree_util.tree_map(global_array, w_host, sharding.expert_shardings(w, mesh))
+  tokens = NamedSharding(mesh, P("ep"))
+
+  def body(x, w, ids, wt):
+    return gm.moe(x, w, gm.Routes(ids, wt), clamp=10.0, backend=args.backend, axis_name="ep", transport=args.transport)
+
+  step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"), sharding.expert_specs(w), P("ep"), P("ep")),
+                               out_specs=P("ep")))
+  oracle = jax.jit(reference.moe_emulated, static_argnames=("clamp",))
+  fault_device = gpus[args.fault_rank]
+  stall_expert = 1  # local expert 1 of the faulty rank: global expert L * rank + 1
+  print(f"process {me} of {jax.process_count()}: {ranks} ranks, local devices {[d.id for d in jax.local_devices()]}, "
+        f"transport {args.transport}", flush=True)
+  t0 = time.perf_counter()
+  graphs = None
+  for n in range(args.steps):
+    if n == args.die_at and me == fault_device.process_index:
+      print(f"process {me}: exiting abruptly at step {n} (killed rank {args.fault_rank})", flush=True)
+      os._exit(17)
+    if n == args.stall_at and fault_device.process_index == me:
+      debug_set_stall_expert(stall_expert, fault_device.local_hardware_id)
+      print(f"process {me}: rank {args.fault_rank} (device {fault_device.local_hardware_id}) withholds local expert "
+            f"{stall_expert} from step {n}", flush=True)
+    x = rng.standard_normal((shape.tokens, shape.hidden)).astype(np.float32).astype(jnp.bfloat16)
+    ids, wt = make_routes(rng, "default", shape.tokens, shape.experts, shape.top_k)
+    ids = ids.astype(np.int32)
+    target = shape.experts // ranks * args.fault_rank + stall_expert
+    if args.stall_at >= 0 and target not in ids[0]:  # the withheld expert gets a row (ids of a token stay distinct)
+      ids[0, 0] = target
+    y = step(global_array(x, tokens), w_global, global_array(ids, tokens), global_array(wt, tokens))
+    stalled = n >= args.stall_at >= 0
+    if n % args.check_every and n != args.steps - 1 and not stalled:
+      continue
+    want = np.asarray(oracle(jax.device_put(x, local), w, jax.device_put(ids, local), jax.device_put(wt, local),
+                             clamp=10.0))
+    for s in y.addressable_shards:
+      got = np.asarray(s.data)
+      if stalled:
+        print(f"process {me}: step {n} shard {s.index[0].start or 0} NaN rows {int(np.isnan(got).any(axis=1).sum())} of "
+              f"{got.shape[0]}", flush=True)
+        continue
+      if not np.array_equal(got.view(np.uint16), want[s.index].view(np.uint16)):
+        print(f"process {me}: step {n} shard {s.index[0].start or 0} MISMATCH", flush=True)
+        return 1
+    if not stalled:
+      print(f"process {me}: step {n} bit-exact", flush=True)
+    if args.backend == "cuda" and graphs is None:
+      graphs = graph_instantiations()  # after the first step: replays must not instantiate graphs
+  if args.backend == "cuda" and graph_instantiations() != graphs:
+    print(f"process {me}: graphs were instantiated inside the loop: {graphs} -> {graph_instantiations()}", flush=True)
+    return 1
+  print(f"OK {args.steps} steps in {time.perf_counter() - t0:.1f} s", flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
