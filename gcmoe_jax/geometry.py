@@ -469,6 +469,63 @@ def split_sms(device: Device, dispatch_sms: int | None = None) -> tuple[Partitio
   return Partition(total, a, d, dispatch, compute), tuple(bad)
 
 
+@dataclasses.dataclass(frozen=True)
+class VirtualRanks:
+  """R virtual ranks on one device (issue 9): R disjoint (dispatch, compute) green-context pairs.
+
+  Every rank gets the same split: ``dispatch_sms`` and ``compute_sms`` SMs; ``leftover_sms`` belong to no rank.
+  """
+
+  ranks: int
+  dispatch_sms: int
+  compute_sms: int
+  leftover_sms: int
+
+
+def split_virtual_ranks(device: Device, ranks: int, dispatch_sms: int | None = None, *,
+                        min_compute_sms: int = MIN_COMPUTE_SMS) -> tuple[VirtualRanks, tuple[str, ...]]:
+  """Eq. 5 for R ranks sharing one device, the fused transport's one-GPU test mode (docs/fused_transport.md).
+
+  With one rank the dispatch partition is the remainder of the aligned compute group (`split_sms`). With R > 1 the
+  driver makes every group by a structured split, so each rank's dispatch group is aligned too: D = the requested
+  dispatch SMs rounded up to the alignment (and to minSmPartitionSize), and the R compute groups share what the R
+  dispatch groups leave, C = a·floor((S_total - R·D) / (R·a)). The §4.2 checks apply per rank; with R > 1,
+  ``min_compute_sms`` lowers the S_compute floor (it protects speed, not correctness) for tests of R = 4 on 132
+  SMs.
+
+  Returns:
+    The split and the failed checks (empty when usable).
+  """
+  _check_int("ranks", ranks)
+  _check_int("min_compute_sms", min_compute_sms)
+  if ranks < 1:
+    raise ValueError(f"plan: ranks must be >= 1, got {ranks}")
+  if ranks == 1:
+    part, bad = split_sms(device, dispatch_sms)
+    return VirtualRanks(1, part.dispatch_sms, part.compute_sms, 0), bad
+  d = device.default_dispatch_sms if dispatch_sms is None else dispatch_sms
+  _check_int("dispatch_sms", d)
+  total, a = device.sm_count, device.gc_alignment
+  bad = []
+  if d < 1:
+    bad.append(f"dispatch_sms must be >= 1, got {d}")
+    d = 1
+  dispatch = max(a * -(-d // a), device.min_partition_sms)
+  compute = a * ((total - ranks * dispatch) // (ranks * a)) if total > ranks * dispatch else 0
+  if compute == 0:
+    bad.append(f"{ranks} ranks need {ranks} dispatch groups of {dispatch} SMs and at least {a} compute SMs each, "
+               f"the device has {total} SMs")
+  if compute < min_compute_sms:
+    bad.append(f"S_compute must be >= {min_compute_sms} per rank (eq. 5, §4.2), got {compute} "
+               f"(= {a}*floor(({total} - {ranks}*{dispatch})/({ranks}*{a})) with {ranks} ranks)")
+  if compute % 2:
+    bad.append(f"S_compute must be even (§4.2), got {compute}")
+  if 0 < compute < device.min_partition_sms:
+    bad.append(f"S_compute must be >= minSmPartitionSize {device.min_partition_sms}, got {compute}")
+  leftover = total - ranks * (dispatch + compute)
+  return VirtualRanks(ranks, dispatch, compute, leftover), tuple(bad)
+
+
 def select_tile_n(r: int) -> tuple[int, str]:
   """Token tile width from the four tiers of eq. 8 and the §4.4 fallbacks.
 

@@ -506,3 +506,34 @@ def test_cli_custom_and_errors(capsys):
   assert "R must be in [1, 32]" in capsys.readouterr().err
   with pytest.raises(SystemExit):
     _parse("--model", "glm5.2", "--batch", "x")
+
+
+def test_virtual_rank_splits_on_one_h200():
+  # docs/fused_transport.md: R = 2 -> 8 + 56 per rank (4 SMs left), R = 3 -> 8 + 32 (12 left), R = 4 -> 8 + 24,
+  # which fails the 32-SM floor unless a test lowers it.
+  assert g.split_virtual_ranks(g.H200, 1) == (g.VirtualRanks(1, 12, 120, 0), ())
+  assert g.split_virtual_ranks(g.H200, 2) == (g.VirtualRanks(2, 8, 56, 4), ())
+  assert g.split_virtual_ranks(g.H200, 3) == (g.VirtualRanks(3, 8, 32, 12), ())
+  split, bad = g.split_virtual_ranks(g.H200, 4)
+  assert split == g.VirtualRanks(4, 8, 24, 4)
+  assert bad == ("S_compute must be >= 32 per rank (eq. 5, §4.2), got 24 (= 8*floor((132 - 4*8)/(4*8)) with 4 ranks)",)
+  assert g.split_virtual_ranks(g.H200, 4, min_compute_sms=16) == (g.VirtualRanks(4, 8, 24, 4), ())
+  # A dispatch request is rounded up to the alignment: 9 -> 16 per rank.
+  assert g.split_virtual_ranks(g.H200, 2, 9)[0] == g.VirtualRanks(2, 16, 48, 4)
+  for r in (2, 3, 4):
+    s = g.split_virtual_ranks(g.H200, r, min_compute_sms=8)[0]
+    assert r * (s.dispatch_sms + s.compute_sms) + s.leftover_sms == 132 and s.compute_sms % 8 == 0
+
+
+def test_virtual_rank_split_rejections():
+  with pytest.raises(ValueError, match="plan: ranks must be >= 1, got 0"):
+    g.split_virtual_ranks(g.H200, 0)
+  with pytest.raises(TypeError, match="plan: ranks must be an int"):
+    g.split_virtual_ranks(g.H200, 2.0)
+  _, bad = g.split_virtual_ranks(g.H200, 8)
+  assert bad and "got 8 (= 8*floor((132 - 8*8)/(8*8)) with 8 ranks)" in bad[0]
+  _, bad = g.split_virtual_ranks(g.H200, 2, 0)
+  assert bad == ("dispatch_sms must be >= 1, got 0",)
+  split, bad = g.split_virtual_ranks(g.H200, 16, min_compute_sms=0)  # 16 dispatch groups of 8 leave 4 SMs
+  assert split.compute_sms == 0
+  assert bad == ("16 ranks need 16 dispatch groups of 8 SMs and at least 8 compute SMs each, the device has 132 SMs",)
