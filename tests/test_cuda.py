@@ -364,3 +364,15 @@ def test_randomized_sweep_of_small_shapes():
     want = emulated(x, w, routes.ids, routes.weights, clamp=clamp)
     np.testing.assert_array_equal(np.asarray(y).view(np.uint16), np.asarray(want).view(np.uint16),
                                   err_msg=f"case {n}: k={k} shared={shared} T={t} clamp={clamp}")
+
+
+@pytest.mark.parametrize("k, tokens", [(1, 600), (4, 300)])
+def test_more_tokens_than_a_call_holds_run_in_chunks(k, tokens):
+  """T > 256 runs as chunks of 256 tokens through one call site (`ffi._moe.in_chunks`; k = 1 rows sorted by expert
+  first, as the expert-parallel local op sees them): bit for bit against the oracle."""
+  shape = dataclasses.replace(SMALL, top_k=k, tokens=tokens)
+  x, w, r = quantized(make_problem("zipf", shape, seed=77))
+  ids = r.ids.at[3, 0].set(-1)
+  y = jax.jit(lambda x, ids, wt: gm.moe(x, w, gm.Routes(ids, wt), clamp=10.0, backend="cuda"))(x, ids, r.weights)
+  want = emulated(x, w, ids, r.weights, clamp=10.0)
+  np.testing.assert_array_equal(np.asarray(y).view(np.uint16), np.asarray(want).view(np.uint16))

@@ -160,6 +160,23 @@ def test_several_token_chunks():
          modes=("jit",))
 
 
+@pytest.mark.parametrize("k, shared_group", [(1, None), (1, 128), (4, 32)])
+def test_calls_in_chunks_equal_one_call(k, shared_group):
+  # The CUDA path runs T > 256 as chunks of 256 (`_moe.in_chunks`); here the CPU handler in chunks of 8 rows. k = 1
+  # (the expert-parallel local op) sorts rows by expert first; padding and an unsorted id order are included.
+  from gcmoe_jax.ffi import _moe
+
+  t = 37
+  w = _quantized(shared_group)
+  x, weights = _x(t, seed=31), _weights(t, k, seed=32)
+  ids = _distinct_ids(t, k, seed=33).at[5, 0].set(-1).at[20, k - 1].set(-1)
+  call = lambda x, ids, weights: _moe.moe_call(x, w, ids, weights, clamp=CLAMP, backend="cpu")
+  chunked = jax.jit(lambda x, ids, weights: _moe.in_chunks(call, x, ids, weights, 8))
+  assert_bitwise_equal(chunked(x, ids, weights), _reference(x, w, ids, weights, clamp=CLAMP), ids)
+  hlo = jax.jit(lambda x, ids, weights: _moe.in_chunks(call, x, ids, weights, 8)).lower(x, ids, weights).as_text()
+  assert hlo.count("gcmoe_moe_v1") == 1, "the chunks must share one call site (a loop), not one each"
+
+
 def test_nan_propagates_to_exactly_the_affected_tokens():
   x = _x(T, seed=14)
   x = x.at[3, 17].set(jnp.nan).at[11, 500].set(jnp.inf)  # an Inf becomes an E4M3 NaN as well

@@ -37,6 +37,7 @@ def _preset_tests() -> list[tuple[int, ...]]:
     for cap in (8, 16):
       small = (*_SMALL[:3], k, cap)
       out += [small, (*small, 256, 128), (*small, 256, 32)]
+  out += [(*_SMALL[:3], k, 256) for k in (1, 4)]  # T > 256 in chunks of 256 (test_cuda.py)
   for h, i, e, k in _PAPER.values():
     for cap in _PAPER_CAPACITIES:
       out += [(h, i, e, k, cap), (h, i, e, k, cap, i, _SHARED_GROUP)]

@@ -161,6 +161,10 @@ def moe_call(x: jax.Array, w: ExpertWeights, ids: jax.Array, weights: jax.Array,
   kw = {}
   if backend == "cuda" and x.shape[0] == 0:
     return jnp.zeros((0, w.hidden), jnp.bfloat16)  # nothing to launch (the CPU handler takes T = 0 itself)
+  if backend == "cuda" and x.shape[0] > _cuda.CAPACITIES[-1]:
+    call = functools.partial(moe_call, w=w, clamp=clamp, backend=backend)
+    return in_chunks(lambda x, ids, weights: call(x, ids=ids, weights=weights), x, ids, weights,
+                     _cuda.CAPACITIES[-1])
   if backend == "cuda":
     e, h, i, i_s, group = w.config
     kw = {"variant": _cuda.prepare(h, i, e, int(ids.shape[1]), int(x.shape[0]), i_s or 0, group or 0),
@@ -169,3 +173,27 @@ def moe_call(x: jax.Array, w: ExpertWeights, ids: jax.Array, weights: jax.Array,
   s = w.shared
   shared = no_shared_operands() if s is None else (s.s13, s.s13_scale, s.s2, s.s2_scale)
   return moe_ffi(x, w.w13, w.w13_scale, w.w2, w.w2_scale, ids, weights, *shared, attrs=attrs)
+
+
+def in_chunks(call, x: jax.Array, ids: jax.Array, weights: jax.Array, rows: int) -> jax.Array:
+  """``call(x, ids, weights)`` over chunks of at most ``rows`` tokens (a `jax.lax.map`, one call site).
+
+  The op is per token (each token's result depends on its own row, routes and the weights only), so the result is
+  the unchunked one bit for bit. With one route per token (k = 1: the expert-parallel local op, whose rows are
+  single routes) the tokens are first sorted by expert, stably, so each chunk's rows fall on a contiguous range of
+  experts and the weights are streamed about once in all; with k > 1 each chunk streams the experts its tokens hit.
+  The last chunk is filled with padding tokens (id -1), so every chunk runs the same kernel variant. A handler error
+  that names a token names its row within its chunk.
+  """
+  t, k = ids.shape
+  n = -(-t // rows)
+  order = None
+  if k == 1:
+    order = jnp.argsort(jnp.where(ids[:, 0] < 0, jnp.iinfo(jnp.int32).max, ids[:, 0]), stable=True)
+    x, ids, weights = x[order], ids[order], weights[order]
+  pad = ((0, n * rows - t), (0, 0))
+  chunks = (jnp.pad(x, pad).reshape(n, rows, x.shape[1]),
+            jnp.pad(ids, pad, constant_values=-1).reshape(n, rows, k),
+            jnp.pad(weights, pad).reshape(n, rows, k))
+  y = jax.lax.map(lambda c: call(*c), chunks).reshape(n * rows, -1)[:t]
+  return y if order is None else jnp.empty_like(y).at[order].set(y, unique_indices=True)
