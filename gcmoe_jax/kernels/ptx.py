@@ -20,8 +20,9 @@ from pathlib import Path
 from gcmoe_jax import geometry
 from gcmoe_jax.kernels import abi
 
-__all__ = ["PtxError", "PTX_ISA_OF_RELEASE", "ROLE2_FEATURES", "assemble", "ptxas_release", "role2_features",
-           "rewrite_max_registers", "rewrite_min_ctas", "rewrite_version", "validate"]
+__all__ = ["PtxError", "PTX_ISA_OF_RELEASE", "ROLE2_FEATURES", "TMA", "TENSORMAP_BYTES", "assemble", "ptxas_release",
+           "role2_features", "rewrite_max_registers", "rewrite_min_ctas", "rewrite_tensormaps_by_value",
+           "rewrite_version", "validate"]
 
 # The PTX ISA version each CUDA release's ptxas accepts at most (PTX ISA release notes).
 PTX_ISA_OF_RELEASE = {
@@ -32,6 +33,7 @@ PTX_ISA_OF_RELEASE = {
 # over a cp.async pipeline whose weight tile ldmatrix reads; on sm_90a: the exact int8 MMA in its place. (The
 # paper's role 2 also holds cp.async.bulk.tensor: its TMA producer warp is not built yet, issue 6.)
 _PIPELINE = ("cp.async.cg.shared.global", "ldmatrix.sync.aligned.m8n8.x4")
+TMA = "cp.async.bulk.tensor"  # the paper's role 2 feature once its producer warp streams tiles by TMA
 _QMMA = "mma.sync.aligned.kind::mxf8f6f4.block_scale.scale_vec::1X.m16n8k32.row.col.f32.e2m1.e4m3.f32.ue8m0"
 ROLE2_FEATURES = {
   ("v2", "sm_90a"): ("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32", *_PIPELINE),
@@ -101,6 +103,69 @@ def rewrite_max_registers(ptx: str, entry: str, ctas: int, threads: int) -> str:
   if cap is None:
     return ptx
   return _entry_directive(ptx, entry, ".maxnreg", str(cap))
+
+
+TENSORMAP_BYTES = 128  # a CUtensorMap: 128 bytes, 64-byte aligned (we align the formal to 128 as nvcc does)
+
+
+def _entry_span(ptx: str, entry: str) -> tuple[int, int, int]:
+  """(start of the parameter list, start of the body, end of the body) of ``entry``; exactly one must exist."""
+  heads = list(re.finditer(rf"\.entry\s+{re.escape(entry)}\s*\(", ptx))
+  if len(heads) != 1:
+    raise PtxError(f"ptx: entry {entry!r} must appear exactly once, found {len(heads)}")
+  params = heads[0].end()
+  body = ptx.index("{", ptx.index(")", params))
+  depth, i = 0, body
+  while True:  # the body's closing brace: PTX nests { } for scoped declarations
+    c = ptx[i]
+    depth += (c == "{") - (c == "}")
+    if depth == 0:
+      return params, body, i
+    i += 1
+
+
+def rewrite_tensormaps_by_value(ptx: str, entry: str, indices: tuple[int, ...], *, uses: int = 2) -> str:
+  """Passes the TensorMaps of formals ``indices`` by value in the parameter space (§5.1).
+
+  CuTe DSL passes a TensorMap as a pointer formal (``.param .u64 NAME``) that the kernel loads once
+  (``ld.param.u64 %rdN, [NAME];``), so the first TMA through it misses the tensormap cache inside a replayed graph.
+  The host instead puts the 128-byte descriptor in the argument vector: the formal becomes
+  ``.param .align 128 .b8 NAME[128]`` and its load ``cvta.param::entry.u64 %rdN, NAME;`` (the generic address of
+  the parameter), so every TMA instruction addresses the parameter space directly.
+
+  Asserts, per map, that the formal is a ``.u64``, that it is loaded exactly once and that the loaded register is
+  used exactly ``uses`` times (the paper's "loaded once, used twice": a stronger check than counting formals, which
+  fails if the compiler ever reuses a descriptor for a second purpose).
+
+  Raises:
+    PtxError: naming the entry, the formal and what did not match.
+  """
+  if not indices or len(set(indices)) != len(indices):
+    raise ValueError(f"rewrite_tensormaps_by_value: indices must be distinct formal indices, got {indices}")
+  params_at, body_at, end = _entry_span(ptx, entry)
+  head, body = ptx[params_at:body_at], ptx[body_at:end + 1]
+  decls = [d.strip() for d in head[:head.rindex(")")].split(",")]
+  for i in indices:
+    if not 0 <= i < len(decls):
+      raise PtxError(f"ptx: entry {entry} has {len(decls)} formals, no formal {i} to pass a TensorMap in")
+    m = re.fullmatch(r"\.param\s+\.u64\s+(\w+)", decls[i])
+    if m is None:
+      raise PtxError(f"ptx: entry {entry} formal {i} must be a .u64 TensorMap pointer to pass it by value, got "
+                     f"{decls[i]!r}")
+    name = m.group(1)
+    loads = list(re.finditer(rf"ld\.param\.u64\s+(%\w+)\s*,\s*\[{re.escape(name)}\]\s*;", body))
+    if len(loads) != 1:
+      raise PtxError(f"ptx: entry {entry} TensorMap formal {i} ({name}) must be loaded exactly once, loaded "
+                     f"{len(loads)} times")
+    reg = loads[0].group(1)
+    used = len(re.findall(rf"{re.escape(reg)}(?![\w])", body)) - 1
+    if used != uses:
+      raise PtxError(f"ptx: entry {entry} TensorMap formal {i} ({name}) must be used exactly {uses} times through "
+                     f"{reg}, used {used} times")
+    body = body[:loads[0].start()] + f"cvta.param::entry.u64 {reg}, {name};" + body[loads[0].end():]
+    head = _replace_once(head, re.compile(rf"\.param\s+\.u64\s+{re.escape(name)}(?![\w])"),
+                         f".param .align {TENSORMAP_BYTES} .b8 {name}[{TENSORMAP_BYTES}]", f"{name} formal")
+  return ptx[:params_at] + head + body + ptx[end + 1:]
 
 
 @dataclasses.dataclass(frozen=True)
