@@ -122,15 +122,13 @@ void SetStallExpert(int32_t e, int32_t device) {
 }
 
 namespace {
-// The expert the hook withholds on `device` (-1: none).
+
+// The expert the stall hook withholds on `device` (-1: none).
 int32_t StallExpertFor(int device) {
   const int64_t v = g_stall.load();
   const int32_t target = static_cast<int32_t>(v >> 32), e = static_cast<int32_t>(v & 0xffffffff);
   return target < 0 || target == device ? e : -1;
 }
-}  // namespace
-
-namespace {
 
 // The dispatch/compute green-context pair of one (device, requested dispatch SMs), made with ONE split call and kept
 // for the process: every Runtime on that device and split uses it, and none destroys it, because the driver (580)
