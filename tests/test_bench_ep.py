@@ -38,13 +38,29 @@ def test_baseline_program_is_the_bf16_moe():
   assert cosine(np.asarray(f(*args), np.float32), np.asarray(want, np.float32)) > 0.999
 
 
-def test_run_keeps_a_row_for_every_point_with_the_reason():
-  rows = ep.run(TINY, R, [1], ["gcmoe:cpu", "baseline"], iters=1, warmup=1, chain=1)
+def test_floor_is_the_busiest_ranks_distinct_experts():
+  # The routes `program` runs: per layer, the rank whose local experts are hit most (distinct) sets the floor.
+  chain, b = 3, 2
+  f, args = ep.program(TINY, R, b, "gcmoe:cpu", "collective", chain=chain)
+  ids = np.asarray(jax.device_get(args[3]))
+  busiest = [max(np.unique(layer[(layer >= 0) & (layer // TINY.experts == r)]).size for r in range(R)) for layer in ids]
+  got = ep.floor_us(TINY, R, b, bandwidth=1e12, expert_bytes=1e6, chain=chain)
+  assert got == pytest.approx(1e6 * np.mean(busiest) * 1e6 / 1e12) and got > 0
+
+
+def test_run_keeps_a_row_for_every_point_with_the_reason(tmp_path):
+  seen = []
+  rows = ep.run(TINY, R, [1], ["gcmoe:cpu", "baseline"], iters=1, warmup=1, chain=1, bandwidth=1e11,
+                on_row=seen.append)
+  assert seen == rows and all(r.floor_us > 0 for r in rows)
   assert [(r.impl, r.transport) for r in rows] == [("gcmoe:cpu", "collective"), ("gcmoe:cpu", "ragged"),
                                                    ("baseline", "ragged")]
   assert rows[0].latency_us > 0 and rows[0].note == ""
   if jax.default_backend() == "cpu":
     assert "ragged-all-to-all" in rows[1].note and np.isnan(rows[1].latency_us)
+  ep.write_csv(rows, tmp_path / "ep.csv")
+  lines = (tmp_path / "ep.csv").read_text().splitlines()
+  assert lines[0].split(",")[:5] == ["impl", "transport", "ranks", "batch", "latency_us"] and len(lines) == 1 + len(rows)
   table = ep.to_markdown(rows).splitlines()
   assert table[0].startswith("| B per rank | R | impl |") and len(table) == 2 + len(rows)
   with pytest.raises(ValueError, match="impl must be gcmoe:<backend> or baseline, got 'pallas'"):

@@ -9,16 +9,23 @@ Timing is `sweep`'s: one jitted program chains ``chain`` layers (each layer's ou
 fresh routes per layer, two alternating weight copies), the median over ``iters`` runs of program time / chain.
 One process drives every device, so a program ends with its slowest rank: the latency is the maximum over ranks.
 
-  python -m gcmoe_jax.bench.ep --model glm5.2 --ranks 8 --batch 1,2,4,8,16 --impl gcmoe:cuda,baseline
+The floor of a point is the weight-streaming time of its busiest rank: per layer, the most distinct local experts
+one rank's experts are hit by (over all R·B tokens' routes) times the MXFP4 bytes of one expert, at the device
+bandwidth measured in the same run (`sweep.measure_bandwidth`), averaged over the chain. The exchange is not in it.
+Rows are printed as they complete, so a point that stops the run does not lose the others.
+
+  python -m gcmoe_jax.bench.ep --model glm5.2 --ranks 8 --batch 1,2,4,8,16 --impl gcmoe:cuda,baseline --out ep.csv
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
 import math
+import os
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +37,7 @@ from gcmoe_jax import api, formats, sharding
 from gcmoe_jax.bench import baselines, sweep
 from gcmoe_jax.bench.problems import make_routes
 
-__all__ = ["EpRow", "measure", "program", "run", "to_markdown"]
+__all__ = ["EpRow", "floor_us", "measure", "program", "run", "to_markdown", "write_csv"]
 
 TRANSPORTS = ("collective", "ragged")
 
@@ -44,6 +51,7 @@ class EpRow:
   ranks: int
   batch: int
   latency_us: float = math.nan
+  floor_us: float = math.nan
   note: str = ""
 
 
@@ -64,6 +72,27 @@ def _weights(shape: sweep.BenchShape, ranks: int, mesh: jax.sharding.Mesh, seed:
   return q, ((w13, w2) if bf16 else None)
 
 
+def _inputs(shape: sweep.BenchShape, ranks: int, batch: int, seed: int, chain: int):
+  """Global routes ``[chain, R B, k]`` (ids, weights; fresh per layer) and tokens ``[R B, H]`` bf16, as numpy."""
+  e, t = shape.experts * ranks, batch * ranks
+  rng = np.random.default_rng([seed, batch])
+  routes = [make_routes(rng, "default", t, e, shape.top_k) for _ in range(chain)]
+  x = rng.standard_normal((t, shape.hidden)).astype(jnp.bfloat16)
+  return np.stack([r[0] for r in routes]).astype(np.int32), np.stack([r[1] for r in routes]), x
+
+
+def floor_us(shape: sweep.BenchShape, ranks: int, batch: int, *, bandwidth: float, expert_bytes: float,
+             seed: int = 0, chain: int = sweep.DEFAULT_CHAIN) -> float:
+  """The weight-streaming floor of a point in microseconds (module doc): per layer, the busiest rank's distinct
+  experts hit times ``expert_bytes`` at ``bandwidth`` bytes/s, averaged over the ``chain`` layers `program` runs."""
+  ids = _inputs(shape, ranks, batch, seed, chain)[0]
+  per_layer = []
+  for layer in ids:
+    hit = np.unique(layer[(layer >= 0) & (layer < shape.experts * ranks)])
+    per_layer.append(np.bincount(hit // shape.experts, minlength=ranks).max())
+  return 1e6 * float(np.mean(per_layer)) * expert_bytes / bandwidth
+
+
 def program(shape: sweep.BenchShape, ranks: int, batch: int, impl: str, transport: str, *,
             chain: int = sweep.DEFAULT_CHAIN, seed: int = 0, weights=None):
   """``(f, args)``: the jitted chain of ``chain`` expert-parallel layers of ``impl`` (``gcmoe:<backend>`` or
@@ -74,12 +103,7 @@ def program(shape: sweep.BenchShape, ranks: int, batch: int, impl: str, transpor
   # Two copies of the weights the layer reads (the baseline's BF16 pair; gcmoe's quantized experts).
   read = bf if impl == "baseline" else q
   copies = (read, sweep.copy_weights(read))
-  e, t = shape.experts * ranks, batch * ranks
-  rng = np.random.default_rng([seed, batch])
-  routes = [make_routes(rng, "default", t, e, shape.top_k) for _ in range(chain)]
-  ids = jnp.asarray(np.stack([r[0] for r in routes]))
-  rw = jnp.asarray(np.stack([r[1] for r in routes]))
-  x = jnp.asarray(rng.standard_normal((t, shape.hidden)), jnp.bfloat16)
+  ids, rw, x = (jnp.asarray(a) for a in _inputs(shape, ranks, batch, seed, chain))
 
   if impl == "baseline":
     def layer(x, q, read, ids, rw):
@@ -121,38 +145,63 @@ def measure(shape: sweep.BenchShape, ranks: int, batch: int, impl: str, transpor
 
 
 def run(shape: sweep.BenchShape, ranks: int, batches: Sequence[int], impls: Sequence[str],
-        transports: Sequence[str] = TRANSPORTS, **kw) -> list[EpRow]:
+        transports: Sequence[str] = TRANSPORTS, *, bandwidth: float | None = None,
+        on_row: Callable[[EpRow], None] | None = None, **kw) -> list[EpRow]:
   """Every (impl, transport, B) point; the baseline runs on ``ragged`` only (the JAX user's choice). A point that
   cannot run here (no ``ragged_all_to_all`` on XLA:CPU, a backend that is unavailable) keeps its row with the
-  reason."""
+  reason. ``bandwidth`` (bytes/s) gives the floor; None measures it on the default device. ``on_row`` sees each
+  row as it completes."""
   for impl in impls:
     if impl != "baseline" and not impl.startswith("gcmoe:"):
       raise ValueError(f"bench.ep: impl must be gcmoe:<backend> or baseline, got {impl!r}")
   if not 2 <= ranks <= len(jax.devices()):
     raise ValueError(f"bench.ep: ranks must be in [2, {len(jax.devices())}] (the devices here), got {ranks}")
+  bandwidth = sweep.measure_bandwidth() if bandwidth is None else bandwidth
+  # MXFP4 bytes of one expert, payload and scales: 3 H I elements at 4 bits plus one UE8M0 byte per 32.
+  expert_bytes = 3 * shape.hidden * shape.intermediate * (0.5 + 1 / 32)
+  floor_kw = {k: kw[k] for k in ("seed", "chain") if k in kw}
   rows = []
   for b in batches:
+    floor = floor_us(shape, ranks, b, bandwidth=bandwidth, expert_bytes=expert_bytes, **floor_kw)
     for impl in impls:
       for t in (("ragged",) if impl == "baseline" else transports):
-        row = EpRow(impl, t, ranks, b)
+        row = EpRow(impl, t, ranks, b, floor_us=floor)
         try:
           row.latency_us = 1e6 * measure(shape, ranks, b, impl, t, **kw)
         except Exception as e:  # noqa: BLE001 - one point that cannot run must not lose the others
           row.note = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
         rows.append(row)
+        if on_row is not None:
+          on_row(row)
   return rows
+
+
+_HEADER = ("| B per rank | R | impl | transport | median us per layer | floor us | x floor | vs baseline | note |\n"
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+
+
+def _fmt(v: float, spec: str) -> str:
+  return "-" if math.isnan(v) else format(v, spec)
+
+
+def _line(r: EpRow, base: float) -> str:
+  return (f"| {r.batch} | {r.ranks} | {r.impl} | {r.transport} | {_fmt(r.latency_us, '.1f')} | "
+          f"{_fmt(r.floor_us, '.1f')} | {_fmt(r.latency_us / r.floor_us, '.1f')} | "
+          f"{_fmt(base / r.latency_us, '.2f')}{'' if math.isnan(base / r.latency_us) else 'x'} | {r.note} |")
 
 
 def to_markdown(rows: Sequence[EpRow]) -> str:
   base = {r.batch: r.latency_us for r in rows if r.impl == "baseline"}
-  lines = ["| B per rank | R | impl | transport | median us per layer | vs baseline | note |",
-           "| --- | --- | --- | --- | --- | --- | --- |"]
-  for r in rows:
-    ratio = base.get(r.batch, math.nan) / r.latency_us
-    lines.append(f"| {r.batch} | {r.ranks} | {r.impl} | {r.transport} | "
-                 f"{'-' if math.isnan(r.latency_us) else f'{r.latency_us:.1f}'} | "
-                 f"{'-' if math.isnan(ratio) else f'{ratio:.2f}x'} | {r.note} |")
-  return "\n".join(lines)
+  return "\n".join([_HEADER, *(_line(r, base.get(r.batch, math.nan)) for r in rows)])
+
+
+def write_csv(rows: Sequence[EpRow], path: str | os.PathLike) -> None:
+  fields = [f.name for f in dataclasses.fields(EpRow)]
+  with open(path, "w", newline="") as f:
+    w = csv.DictWriter(f, fieldnames=fields)
+    w.writeheader()
+    for r in rows:
+      w.writerow(dataclasses.asdict(r))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,13 +213,19 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--transport", default="collective,ragged", help="transports of the gcmoe rows")
   p.add_argument("--iters", type=int, default=10)
   p.add_argument("--chain", type=int, default=sweep.DEFAULT_CHAIN)
+  p.add_argument("--out", default=None, help="write the rows to this CSV file")
   args = p.parse_args(argv)
   ranks = args.ranks or len(jax.devices())
   shape = sweep.model_shape(args.model, ranks=ranks)
-  print(f"{ranks} x {jax.devices()[0].device_kind}; {shape.describe()} per rank")
+  bandwidth = sweep.measure_bandwidth()
+  print(f"{ranks} x {jax.devices()[0].device_kind}; {shape.describe()} per rank; bandwidth "
+        f"{bandwidth / 1e9:.0f} GB/s\n{_HEADER}", flush=True)
   rows = run(shape, ranks, [int(v) for v in args.batch.split(",")], args.impl.split(","),
-             args.transport.split(","), iters=args.iters, chain=args.chain)
-  print(to_markdown(rows))
+             args.transport.split(","), bandwidth=bandwidth, iters=args.iters, chain=args.chain,
+             on_row=lambda r: print(_line(r, math.nan), flush=True))
+  print("\nall points, with the baseline ratios:\n" + to_markdown(rows))
+  if args.out:
+    write_csv(rows, args.out)
   return 0
 
 
