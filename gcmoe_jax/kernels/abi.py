@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["HEADER", "PARAMS", "Workspace", "workspace_layout", "SILU_TABLE_ENTRIES"]
+__all__ = ["HEADER", "PARAMS", "Workspace", "counter_words", "workspace_layout", "SILU_TABLE_ENTRIES"]
 
 # Kernel parameter names, in order: 13 pointers, then T (int32) and clamp (float32).
 PARAMS = ("x", "ids", "route_weights", "w13", "w13_scale", "w2", "w2_scale", "s13", "s13_scale", "s2", "s2_scale",
@@ -39,7 +39,8 @@ HEADER = {
   "error_role": 16,  # u32
   "error_block": 20,  # u32
   "error_epoch": 24,  # u32
-  "error_counter": 28,  # u32: what was awaited (role 2: the expert id, plus WAIT_GEMM1 / WAIT_XQ in v2)
+  "error_counter": 28,  # u32: what was awaited (role 2: the expert id, plus WAIT_GEMM1 / WAIT_XQ in v2; or
+  #                      WAIT_SHARED + the token of a shared-expert GEMM2 item)
   "error_observed": 32,  # u32: the value seen last
   "stall_expert": 36,  # i32: test hook: role 1 never publishes this expert (-1 = off)
   "host_mirror": 40,  # u64: device address of the runtime's pinned host copy of this header (0 = none)
@@ -52,7 +53,7 @@ DIGIT_BITS = 6
 NAN_WORD = 0x7FFFFFFF  # exponent word of a block that held a NaN/Inf (not a multiple of 2**23)
 FAST_EXP = (-63, 35)  # e - 10 of every block of a row in this range (and no NaN): the row may take the fast path
 # error_counter of a role-2 wait, by what was awaited (low bits: the expert id where there is one).
-WAIT_READY, WAIT_GEMM1, WAIT_XQ = 0, 0x10000, 0x20000
+WAIT_READY, WAIT_GEMM1, WAIT_XQ, WAIT_SHARED = 0, 0x10000, 0x20000, 0x30000
 SILU_TABLE_ENTRIES = 1 << 16  # float32 silu(g) per BF16 bit pattern (reference.silu_table)
 ALIGN = 256
 
@@ -82,23 +83,36 @@ class Workspace:
   aplanes: int  # int8 [capacity * k, I / 32, 3, 32]: the requantized SwiGLU output of assignment t * k + j
   aexp: int  # i32 [capacity * k, I / 32]
   aflag: int  # u32 [capacity * k]
-  counters: int  # u32 [2, E + 1] by call parity: GEMM1 tiles done per expert, then CTAs done quantizing x
+  counters: int  # u32 [2, E + 1 (+ capacity)] by call parity: GEMM1 tiles done per expert, then CTAs done
+  #               quantizing x, then (with a shared expert) the shared expert's GEMM1 column blocks done per token
   # UE8M0 scale bytes of those blocks (e + 127; 0xFF for a block that held a NaN/Inf), for the sm_120a seam, whose
   # block-scaled MMA reads four of them (one K128 stage) as one word. There, plane 0 of a block holds its E4M3
   # codes and planes 1-2 are unused.
   xsf: int  # u8 [capacity, H / 32]
   asf: int  # u8 [capacity * k, I / 32]
+  # The shared expert's requantized SwiGLU output (v2 with a shared expert): v1's MXFP8 form (`512 v` as int32, the
+  # block exponent, the block's NaN flag), written by the column-block items of its GEMM1 and read by its GEMM2.
+  sact: int  # i32 [capacity, Is]
+  sexp: int  # i32 [capacity, Is / 32]
+  snan: int  # i32 [capacity, Is / 32]
   total: int  # bytes
 
   def as_attrs(self) -> dict[str, int]:
     return {f"ws_{f.name}": getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
+def counter_words(experts: int, capacity: int, shared: bool) -> int:
+  """Words of one parity of the v2 ``counters`` section: E experts, the x-quantization count, and with a shared
+  expert one per token."""
+  return experts + 1 + (capacity if shared else 0)
+
+
 def workspace_layout(experts: int, capacity: int, top_k: int, hidden: int, shared: bool,
-                     intermediate: int = 0) -> Workspace:
+                     intermediate: int = 0, shared_intermediate: int = 0) -> Workspace:
   """The workspace layout of a variant: sections in a fixed order, each 256-byte aligned.
 
   ``intermediate`` (I) sizes the v2 sections; 0 leaves them empty (the v1 kernels do not use them).
+  ``shared_intermediate`` (Is) sizes the v2 shared-expert sections (0: none).
   """
   off = HEADER_BYTES
   sections = {}
@@ -113,9 +127,12 @@ def workspace_layout(experts: int, capacity: int, top_k: int, hidden: int, share
                      ("aplanes", capacity * top_k * (intermediate // 32) * block_bytes if v2 else 0),
                      ("aexp", capacity * top_k * (intermediate // 32) * 4 if v2 else 0),
                      ("aflag", capacity * top_k * 4 if v2 else 0),
-                     ("counters", 2 * 4 * (experts + 1) if v2 else 0),
+                     ("counters", 2 * 4 * counter_words(experts, capacity, shared) if v2 else 0),
                      ("xsf", capacity * (hidden // 32) if v2 else 0),
-                     ("asf", capacity * top_k * (intermediate // 32) if v2 else 0)):
+                     ("asf", capacity * top_k * (intermediate // 32) if v2 else 0),
+                     ("sact", 4 * capacity * shared_intermediate if v2 and shared else 0),
+                     ("sexp", 4 * capacity * (shared_intermediate // 32) if v2 and shared else 0),
+                     ("snan", 4 * capacity * (shared_intermediate // 32) if v2 and shared else 0)):
     sections[name] = off
     off = _align(off + size)
   return Workspace(total=off, **sections)

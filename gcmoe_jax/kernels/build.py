@@ -145,7 +145,7 @@ class Variant:
     """The workspace layout the role kernels of generation ``kernels`` (default: `generation()`) index."""
     v2 = (kernels or generation()) == "v2"
     return abi.workspace_layout(self.experts, self.capacity, self.top_k, self.hidden, self.shared,
-                                self.intermediate if v2 else 0)
+                                self.intermediate if v2 else 0, (self.shared_intermediate or 0) if v2 else 0)
 
   def to_dict(self) -> dict[str, int | None]:
     return dataclasses.asdict(self)

@@ -588,6 +588,27 @@ class RoleKernelsV1:
     tid, _, _ = cute.arch.thread_idx()
     inter = v.shared_intermediate if cutlass.const_expr(shared) else v.intermediate
     # A. MXFP8 of x[t] ([T, H] bf16): thread per K32 block.
+    self._quantize_x(xb, t, sAct, sExp, sNan)
+    cute.arch.sync_threads()
+    # B. GEMM1 (N = 2 Ie stored rows, gate/up interleaved by 8) + SwiGLU + route weight: thread per column i.
+    for i in range(tid, inter, THREADS):
+      sA[i] = Uint16(self._swiglu_column(shared, i, rw_bits, p13, sc13, wsb, c_bits, sAct, sExp, sNan))
+    cute.arch.sync_threads()
+    # C. MXFP8 of the Ie activations: thread per K32 block.
+    for blk in range(tid, inter // K32, THREADS):
+      self._quantize_act_block(sA, blk, blk, sAct, sExp, sNan)
+    cute.arch.sync_threads()
+    # D. GEMM2 (N = H): thread per output column; o = bf16(acc) -> out[h].
+    for h in range(tid, v.hidden, THREADS):
+      acc, _ = self._gemm(shared, False, inter, v.hidden, p2, sc2, h, h, sAct, sExp, sNan)
+      _st_bf16(out + Int64(h) * BF16_BYTES, _bf16_rne(acc))
+    cute.arch.sync_threads()  # sAct and sA are rewritten by the next row
+
+  @cute.jit
+  def _quantize_x(self, xb: Int64, t: Int32, sAct: cute.Tensor, sExp: cute.Tensor, sNan: cute.Tensor):
+    """Phase A: MXFP8 of x[t] into sAct/sExp/sNan, a thread per K32 block (no barrier)."""
+    v = self.v
+    tid, _, _ = cute.arch.thread_idx()
     for blk in range(tid, v.hidden // K32, THREADS):
       base = xb + (Int64(t) * v.hidden + Int64(blk) * K32) * BF16_BYTES
       vals = []
@@ -597,33 +618,34 @@ class RoleKernelsV1:
           vals.append(quad[wd] << BF16_SHIFT)  # element 2m: low half
           vals.append(quad[wd] & F32_HIGH_HALF)  # element 2m + 1: high half
       _quantize_block(vals, blk, sAct, sExp, sNan)
-    cute.arch.sync_threads()
-    # B. GEMM1 (N = 2 Ie stored rows, gate/up interleaved by 8) + SwiGLU + route weight: thread per column i.
+
+  @cute.jit
+  def _swiglu_column(self, shared: cutlass.Constexpr, i: Int32, rw_bits: Int32, p13: Int64, sc13: Int64,
+                     wsb: Int64, c_bits: Int32, sAct: cute.Tensor, sExp: cute.Tensor, sNan: cute.Tensor) -> Int32:
+    """Phase B for activation column i: BF16 bits of bf16(rw * bf16(silu(min(g, c)) * clip(u, -c, c)))."""
+    v = self.v
+    inter = v.shared_intermediate if cutlass.const_expr(shared) else v.intermediate
     neg_c = c_bits ^ F32_SIGN
-    for i in range(tid, inter, THREADS):
-      gate_row = (i // GATE_UP_GROUP) * (2 * GATE_UP_GROUP) + i % GATE_UP_GROUP
-      up_row = gate_row + GATE_UP_GROUP
-      hg, hu = self._gemm(shared, True, v.hidden, 2 * inter, p13, sc13, gate_row, up_row, sAct, sExp, sNan)
-      g = _bf16_rne(hg) << BF16_SHIFT
-      u = _bf16_rne(hu) << BF16_SHIFT
-      g = _fmin_nan(g, c_bits)
-      u = _fmin_nan(_fmax_nan(u, neg_c), c_bits)
-      silu = _ld_nc(wsb + self.ws.silu_table + Int64((g >> BF16_SHIFT) & BF16_MASK) * WORD_BYTES)
-      act = _bf16_rne(_fmul(silu, u)) << BF16_SHIFT
-      sA[i] = Uint16(_bf16_rne(_fmul(rw_bits, act)))
-    cute.arch.sync_threads()
-    # C. MXFP8 of the Ie activations: thread per K32 block.
-    for blk in range(tid, inter // K32, THREADS):
-      vals = []
-      for q in cutlass.range_constexpr(K32):
-        vals.append(Int32(sA[blk * K32 + q]) << BF16_SHIFT)
-      _quantize_block(vals, blk, sAct, sExp, sNan)
-    cute.arch.sync_threads()
-    # D. GEMM2 (N = H): thread per output column; o = bf16(acc) -> out[h].
-    for h in range(tid, v.hidden, THREADS):
-      acc, _ = self._gemm(shared, False, inter, v.hidden, p2, sc2, h, h, sAct, sExp, sNan)
-      _st_bf16(out + Int64(h) * BF16_BYTES, _bf16_rne(acc))
-    cute.arch.sync_threads()  # sAct and sA are rewritten by the next row
+    gate_row = (i // GATE_UP_GROUP) * (2 * GATE_UP_GROUP) + i % GATE_UP_GROUP
+    up_row = gate_row + GATE_UP_GROUP
+    hg, hu = self._gemm(shared, True, v.hidden, 2 * inter, p13, sc13, gate_row, up_row, sAct, sExp, sNan)
+    g = _bf16_rne(hg) << BF16_SHIFT
+    u = _bf16_rne(hu) << BF16_SHIFT
+    g = _fmin_nan(g, c_bits)
+    u = _fmin_nan(_fmax_nan(u, neg_c), c_bits)
+    silu = _ld_nc(wsb + self.ws.silu_table + Int64((g >> BF16_SHIFT) & BF16_MASK) * WORD_BYTES)
+    act = _bf16_rne(_fmul(silu, u)) << BF16_SHIFT
+    return _bf16_rne(_fmul(rw_bits, act))
+
+  @cute.jit
+  def _quantize_act_block(self, sA: cute.Tensor, src: Int32, blk: Int32, act: cute.Tensor, exps: cute.Tensor,
+                          nans: cute.Tensor):
+    """Phase C for one K32 block: MXFP8 of the BF16 activations ``sA[32 src:]`` into block ``blk`` of act/exps/nans
+    (SMEM, or the workspace for the shared expert's split path)."""
+    vals = []
+    for q in cutlass.range_constexpr(K32):
+      vals.append(Int32(sA[src * K32 + q]) << BF16_SHIFT)
+    _quantize_block(vals, blk, act, exps, nans)
 
   @cute.jit
   def _gemm(self, fp8: cutlass.Constexpr, two_rows: cutlass.Constexpr, k: cutlass.Constexpr,
@@ -701,8 +723,9 @@ class RoleKernelsV1:
         # The next call (parity epoch & 1, as cur = epoch + 1 here) counts from zero: roles 1 and 2 of this call are
         # done (graph edges), and the next call's cannot start before this kernel ends.
         nxt = _ld(wsb + abi.HEADER["epoch"]) & 1
-        for i in range(tid, v.experts + 1, THREADS):
-          _st(wsb + ws.counters + (Int64(nxt) * (v.experts + 1) + i) * WORD_BYTES, 0)
+        words = abi.counter_words(v.experts, v.capacity, v.shared)
+        for i in range(tid, words, THREADS):
+          _st(wsb + ws.counters + (Int64(nxt) * words + i) * WORD_BYTES, 0)
     for t in range(bid, n_tok, Int32(grid)):
       for h in range(tid, v.hidden, THREADS):
         acc = Int32(0)  # +0.0

@@ -30,10 +30,15 @@ latencies better where the work per stage is small).
    conflicts), the 128 scale words, and the 96 B digit planes + exponent words of every row (gathered through
    ``rows[e]``). Epilogue: SwiGLU + clamp + route weight in BF16 (v1's ops), BF16 to SMEM, then a warp per (row,
    K32 block) requantizes to ``aplanes``/``aexp``; ``counters[par][e] += 1`` (release).
-2. GEMM2 items (h, j), j < H/128, after all GEMM1 items (so no CTA waits on an item a waiting CTA holds): W2 rows
+2. GEMM2 items (h, j), j < H/128, after all GEMM1 items (and the shared expert's GEMM1 items): W2 rows
    128 j.. (output columns), the same mainloop over K = I with the B operand from ``aplanes`` (gathered by
    assignment), after waiting for ``counters[par][e] == 2I/128``; o_j = bf16(acc) to ``arena``.
-3. Shared-expert items (one per token), v1's exact per-row path (not yet on the tensor cores).
+3. Shared-expert items, v1's exact per-row math (SIMT, not yet on the tensor cores) split so that every CTA can take
+   a part: GEMM1 items (token, 256 activation columns: x quantized into SMEM, a column per thread, SwiGLU, the
+   columns' K32 blocks requantized into ``sact``/``sexp``/``snan``, then the token's counter += 1, release), placed
+   after the routed GEMM1 items; GEMM2 items (token, 256 output columns: wait until the token's counter reaches its
+   GEMM1 item count, its activations into SMEM, a column per thread) last. Every wait is for earlier items, so
+   with the whole grid resident no CTA waits on an item a waiting CTA holds.
 
 Every wait is bounded as in v1 (``header.timeout_ns``); a timeout records (role 2, block, epoch, counter =
 `abi.WAIT_*` + expert, observed) and the CTA stops taking items. Counters are double-buffered by call parity
@@ -269,6 +274,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     self.nblk_i = v.intermediate // v1.K32
     self.j1 = 2 * v.intermediate // TILE_M
     self.j2 = v.hidden // TILE_M
+    # The shared expert's items per token: its GEMM1 in blocks of THREADS activation columns (a column per
+    # thread, v1's math), its GEMM2 in blocks of THREADS output columns.
+    self.n_cb = -(-v.shared_intermediate // THREADS) if v.shared else 0
+    self.n_hb = -(-v.hidden // THREADS) if v.shared else 0
     # SMEM: control words, the expert table (count[e], then the hit list), then the pipeline, in which v1's
     # shared-expert path (sAct, sExp, sNan, sA) also runs.
     self.table = CTRL_BYTES
@@ -330,7 +339,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     n_tok = cutlass.min(cutlass.max(tokens, 0), v.capacity)
     cur = v1._ld(wsb + abi.HEADER["epoch"]) + 1
     par = cur & 1
-    counters = wsb + ws.counters + Int64(par) * ((v.experts + 1) * v1.WORD_BYTES)
+    counters = wsb + ws.counters + Int64(par) * (abi.counter_words(v.experts, v.capacity, v.shared) * v1.WORD_BYTES)
     c_bits = v1._bf16_rne(v1._float_bits(clamp)) << v1.BF16_SHIFT
     grid32 = Int32(grid)
     warp = tid // 32
@@ -374,18 +383,29 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     n_hit = _lds(ctl + 4)
     cute.arch.sync_threads()
 
-    n_shared = Int32(0)
-    if cutlass.const_expr(v.shared):
-      n_shared = n_tok
+    # Items, in an order where every wait is for earlier items (so, with the whole grid resident, no CTA waits on
+    # an item a waiting CTA holds): GEMM1 tiles (n1), the shared expert's GEMM1 column blocks (n_s1), GEMM2 tiles
+    # (n2, each after its expert's GEMM1 tiles), the shared expert's GEMM2 column blocks (n_s2, each after its
+    # token's GEMM1 blocks).
     n1 = n_hit * self.j1
     n2 = n_hit * (0 if cutlass.const_expr(self.ablation == "nogemm2") else self.j2)
-    n_items = cutlass.select_(ok != 0, n1 + n2 + n_shared, Int32(0))
+    n_s1 = Int32(0)
+    n_s2 = Int32(0)
+    if cutlass.const_expr(v.shared):
+      n_s1 = n_tok * self.n_cb
+      n_s2 = n_tok * self.n_hb
+    n_items = cutlass.select_(ok != 0, n1 + n2 + n_s1 + n_s2, Int32(0))
     failed = Int32(0)
     for item in range(bid, n_items, grid32):
       if failed == 0:
-        if item < n1 + n2:
-          g2 = item >= n1
-          it = cutlass.select_(g2, item - n1, item)
+        it = item  # the routed item (GEMM1 tiles, then GEMM2 tiles)
+        routed = item < n1 + n2
+        if cutlass.const_expr(v.shared):
+          routed = (item < n1) | ((item >= n1 + n_s1) & (item < n1 + n_s1 + n2))
+          it = cutlass.select_(item >= n1 + n_s1, item - n_s1, item)
+        if routed:
+          g2 = it >= n1
+          it = cutlass.select_(g2, it - n1, it)
           per = cutlass.select_(g2, Int32(self.j2), Int32(self.j1))
           h = it // per
           j = it - h * per
@@ -410,14 +430,20 @@ class RoleKernelsV2(v1.RoleKernelsV1):
               _red_release_add(counters + Int64(e) * v1.WORD_BYTES, 1)
         else:
           if cutlass.const_expr(v.shared):
-            self._shared_row(item - n1 - n2, x.toint(), s13.toint(), s13_scale.toint(), s2.toint(),
-                             s2_scale.toint(), wsb, c_bits)
+            token_counters = counters + Int64(v.experts + 1) * v1.WORD_BYTES
+            if item < n1 + n_s1:
+              s = item - n1
+              t = s // self.n_cb
+              self._shared_gemm1(t, s - t * self.n_cb, x.toint(), s13.toint(), s13_scale.toint(), wsb, c_bits,
+                                 token_counters + Int64(t) * v1.WORD_BYTES)
+            else:
+              s = item - (n1 + n_s1 + n2)
+              t = s // self.n_hb
+              failed = self._shared_gemm2(t, s - t * self.n_hb, s2.toint(), s2_scale.toint(), wsb, cur, bid,
+                                          token_counters + Int64(t) * v1.WORD_BYTES)
 
-  @cute.jit
-  def _shared_row(self, t: Int32, xb: Int64, s13: Int64, s13s: Int64, s2: Int64, s2s: Int64, wsb: Int64,
-                  c_bits: Int32):
-    """v1's exact per-token path for the shared expert, its SMEM carved from the pipeline area."""
-    v = self.v
+  def _v1_smem(self):
+    """v1's per-row SMEM (sAct, sExp, sNan, sA), carved from the pipeline area."""
     k_blocks = self.k_max // v1.K32
     base = cute.arch.get_dyn_smem(Int32, alignment=128) + self.pipe // 4
     sAct = cute.make_tensor(base, cute.make_layout(self.k_max))
@@ -425,8 +451,74 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     sNan = cute.make_tensor(base + self.k_max + k_blocks, cute.make_layout(k_blocks))
     sA = cute.make_tensor(cute.recast_ptr(base + self.k_max + 2 * k_blocks, dtype=cutlass.Uint16),
                           cute.make_layout(self.i_max))
-    self._row(True, xb, t, Int32(v1.F32_ONE), s13, s13s, s2, s2s,
-              wsb + self.ws.shared_out + Int64(t) * (v.hidden * v1.BF16_BYTES), wsb, c_bits, sAct, sExp, sNan, sA)
+    return sAct, sExp, sNan, sA
+
+  def _shared_act(self, wsb: Int64, t: Int32):
+    """Token t's row of the shared expert's requantized activations in the workspace (`abi.Workspace.sact`)."""
+    v, ws = self.v, self.ws
+    n_blk = v.shared_intermediate // v1.K32
+    act = cute.make_tensor(v1._gptr(wsb + ws.sact + Int64(t) * (v.shared_intermediate * 4)),
+                           cute.make_layout(v.shared_intermediate))
+    exps = cute.make_tensor(v1._gptr(wsb + ws.sexp + Int64(t) * (n_blk * 4)), cute.make_layout(n_blk))
+    nans = cute.make_tensor(v1._gptr(wsb + ws.snan + Int64(t) * (n_blk * 4)), cute.make_layout(n_blk))
+    return act, exps, nans
+
+  @cute.jit
+  def _shared_gemm1(self, t: Int32, cb: Int32, xb: Int64, s13: Int64, s13s: Int64, wsb: Int64, c_bits: Int32,
+                    counter: Int64):
+    """Shared expert, token t, activation columns 256 cb..: v1's phases A-C for those columns (x quantized again
+    here, it is cheap), the requantized blocks stored to the workspace, then the token's counter += 1 (release).
+    The same operations as v1's per-row path, split so that every CTA can take a part."""
+    v = self.v
+    tid, _, _ = cute.arch.thread_idx()
+    sAct, sExp, sNan, sA = self._v1_smem()
+    self._quantize_x(xb, t, sAct, sExp, sNan)
+    cute.arch.sync_threads()
+    c0 = cb * THREADS
+    cols = cutlass.min(Int32(v.shared_intermediate) - c0, Int32(THREADS))
+    if tid < cols:
+      sA[tid] = cutlass.Uint16(self._swiglu_column(True, c0 + tid, Int32(v1.F32_ONE), s13, s13s, wsb, c_bits, sAct,
+                                                   sExp, sNan))
+    cute.arch.sync_threads()
+    act, exps, nans = self._shared_act(wsb, t)
+    for b in range(tid, cols // v1.K32, THREADS):
+      self._quantize_act_block(sA, b, c0 // v1.K32 + b, act, exps, nans)
+    cute.arch.sync_threads()
+    if tid == 0:
+      cute.arch.fence_acq_rel_gpu()
+      _red_release_add(counter, 1)
+    cute.arch.sync_threads()  # sAct and sA are rewritten by the next item
+
+  @cute.jit
+  def _shared_gemm2(self, t: Int32, hb: Int32, s2: Int64, s2s: Int64, wsb: Int64, cur: Int32, bid: Int32,
+                    counter: Int64) -> Int32:
+    """Shared expert, token t, output columns 256 hb..: after the token's GEMM1 blocks (bounded wait), its
+    activations to SMEM and v1's phase D for those columns into ``shared_out``. Returns 1 when the wait failed."""
+    v = self.v
+    tid, _, _ = cute.arch.thread_idx()
+    ok = Int32(1)
+    if tid == 0:
+      ok = self._wait_geq(counter, Int32(self.n_cb), wsb, cur, bid, abi.WAIT_SHARED + t)
+    failed = Int32(0)
+    if _bar_or(ok == 0) != 0:
+      failed = Int32(1)
+    else:
+      sAct, sExp, sNan, _ = self._v1_smem()
+      act, exps, nans = self._shared_act(wsb, t)
+      # Coherent loads (other CTAs wrote these during this call): relaxed at GPU scope, after thread 0's acquire.
+      for i in range(tid, v.shared_intermediate, THREADS):
+        sAct[i] = cute.arch.load(act.iterator + i, Int32, sem="relaxed", scope="gpu")
+      for b in range(tid, v.shared_intermediate // v1.K32, THREADS):
+        sExp[b] = cute.arch.load(exps.iterator + b, Int32, sem="relaxed", scope="gpu")
+        sNan[b] = cute.arch.load(nans.iterator + b, Int32, sem="relaxed", scope="gpu")
+      cute.arch.sync_threads()
+      h = hb * THREADS + tid
+      if h < v.hidden:
+        acc, _ = self._gemm(True, False, v.shared_intermediate, v.hidden, s2, s2s, h, h, sAct, sExp, sNan)
+        out = wsb + self.ws.shared_out + (Int64(t) * v.hidden + h) * v1.BF16_BYTES
+        v1._st_bf16(out, v1._bf16_rne(acc))
+      cute.arch.sync_threads()  # sAct is rewritten by the next item
+    return failed
 
   @cute.jit
   def _wait_geq(self, addr: Int64, target: Int32, wsb: Int64, cur: Int32, bid: Int32, what: Int32) -> Int32:
