@@ -49,6 +49,9 @@ def check_common(x: Any, w: Any, ids: Any, weights: Any, local_fn: Any, transpor
   if ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
     raise ValueError(f"moe: ids and weights must have shape [T, k] with T = x.shape[0] = {x.shape[0]}, got "
                      f"{list(ids.shape)} and {list(weights.shape)}")
+  if transport == "fused":  # DESIGN §6's in-kernel peer exchange: planned (docs/fused_transport.md), not built
+    raise NotImplementedError("moe: transport='fused' (the in-kernel peer exchange) is not built yet; use "
+                              "'collective' (the default) or 'ragged'")
   if transport not in tr.TRANSPORTS:
     raise ValueError(f"moe: transport must be one of {tr.TRANSPORTS}, got {transport!r}")
   if capacity is not None:
