@@ -58,6 +58,8 @@ def test_run_keeps_a_row_for_every_point_with_the_reason(tmp_path):
   assert rows[0].latency_us > 0 and rows[0].note == ""
   if jax.default_backend() == "cpu":
     assert "ragged-all-to-all" in rows[1].note and np.isnan(rows[1].latency_us)
+  ep.plot(rows, tmp_path / "ep.png", title="tiny")
+  assert (tmp_path / "ep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   ep.write_csv(rows, tmp_path / "ep.csv")
   lines = (tmp_path / "ep.csv").read_text().splitlines()
   assert lines[0].split(",")[:5] == ["impl", "transport", "ranks", "batch", "latency_us"] and len(lines) == 1 + len(rows)

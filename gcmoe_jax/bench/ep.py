@@ -14,7 +14,9 @@ one rank's experts are hit by (over all R·B tokens' routes) times the MXFP4 byt
 bandwidth measured in the same run (`sweep.measure_bandwidth`), averaged over the chain. The exchange is not in it.
 Rows are printed as they complete, so a point that stops the run does not lose the others.
 
-  python -m gcmoe_jax.bench.ep --model glm5.2 --ranks 8 --batch 1,2,4,8,16 --impl gcmoe:cuda,baseline --out ep.csv
+  python -m gcmoe_jax.bench.ep --model glm5.2 --ranks 8 --batch 1,2,4,8,16 --impl gcmoe:cuda,baseline --out ep-results
+
+writes ``ep_<model>_r<R>.csv`` and ``.png`` to ``--out`` (when given).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import dataclasses
 import math
 import os
 import statistics
+import sys
 from collections.abc import Callable, Sequence
 
 import jax
@@ -37,7 +40,7 @@ from gcmoe_jax import api, formats, sharding
 from gcmoe_jax.bench import baselines, sweep
 from gcmoe_jax.bench.problems import make_routes
 
-__all__ = ["EpRow", "floor_us", "measure", "program", "run", "to_markdown", "write_csv"]
+__all__ = ["EpRow", "floor_us", "measure", "plot", "program", "run", "to_markdown", "write_csv"]
 
 TRANSPORTS = ("collective", "ragged")
 
@@ -204,6 +207,35 @@ def write_csv(rows: Sequence[EpRow], path: str | os.PathLike) -> None:
       w.writerow(dataclasses.asdict(r))
 
 
+def plot(rows: Sequence[EpRow], path: str | os.PathLike, *, title: str = "") -> None:
+  """A PNG with two panels over B: latency of each (implementation, transport) with the floor, and the speed-up
+  over the baseline."""
+  import matplotlib
+
+  matplotlib.use("Agg")  # files only: no display on benchmark machines
+  import matplotlib.pyplot as plt
+
+  base = {r.batch: r.latency_us for r in rows if r.impl == "baseline"}
+  fig, (ax_lat, ax_up) = plt.subplots(1, 2, figsize=(12, 5))
+  for n, key in enumerate(dict.fromkeys((r.impl, r.transport) for r in rows)):
+    pts = [r for r in rows if (r.impl, r.transport) == key and not math.isnan(r.latency_us)]
+    if not pts:
+      continue
+    label = f"{key[0]} ({key[1]})"
+    ax_lat.plot([r.batch for r in pts], [r.latency_us for r in pts], marker="o", color=f"C{n}", label=label)
+    up = [(r.batch, base[r.batch] / r.latency_us) for r in pts if r.impl != "baseline" and r.batch in base]
+    if up:
+      ax_up.plot(*zip(*up), marker="o", color=f"C{n}", label=label)
+  floor = sorted({(r.batch, r.floor_us) for r in rows if not math.isnan(r.floor_us)})
+  if floor:
+    ax_lat.plot(*zip(*floor), color="k", linestyle=":", label="weight-streaming floor (busiest rank)")
+  sweep.style_axes(((ax_lat, "median latency per layer (us), max over ranks"),
+                    (ax_up, "speed-up over ragged_all_to_all + BF16 ragged_dot")),
+                   sorted({r.batch for r in rows}), "tokens per rank B")
+  ax_up.axhline(1.0, color="k", linewidth=0.8)
+  sweep.save_figure(fig, path, title)
+
+
 def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--model", default="glm5.2", choices=["glm5.2", "dsv4.1-flash", "demo"])
@@ -213,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--transport", default="collective,ragged", help="transports of the gcmoe rows")
   p.add_argument("--iters", type=int, default=10)
   p.add_argument("--chain", type=int, default=sweep.DEFAULT_CHAIN)
-  p.add_argument("--out", default=None, help="write the rows to this CSV file")
+  p.add_argument("--out", default=None, help="directory for the CSV and PNG (default: print only)")
   args = p.parse_args(argv)
   ranks = args.ranks or len(jax.devices())
   shape = sweep.model_shape(args.model, ranks=ranks)
@@ -225,7 +257,17 @@ def main(argv: list[str] | None = None) -> int:
              on_row=lambda r: print(_line(r, math.nan), flush=True))
   print("\nall points, with the baseline ratios:\n" + to_markdown(rows))
   if args.out:
-    write_csv(rows, args.out)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"ep_{args.model}_r{ranks}")
+    write_csv(rows, stem + ".csv")
+    written = [stem + ".csv"]
+    try:
+      plot(rows, stem + ".png", title=f"{shape.describe()} per rank, R = {ranks}\n"
+                                      f"{jax.devices()[0].device_kind}, {bandwidth / 1e9:.0f} GB/s")
+      written.append(stem + ".png")
+    except ImportError:
+      print("matplotlib is not installed: no plot (pip install 'gcmoe_jax[bench]')", file=sys.stderr)
+    print(f"\nwrote {', '.join(written)}")
   return 0
 
 

@@ -433,10 +433,35 @@ def to_markdown(rows: Sequence[Row]) -> str:
   return "\n".join(lines)
 
 
+def save_figure(fig: Any, path: str | os.PathLike, title: str) -> None:
+  """Titles, lays out, writes (110 dpi) and closes a figure."""
+  import matplotlib.pyplot as plt
+
+  fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def style_axes(axes: Sequence[tuple[Any, str]], batches: Sequence[int], xlabel: str) -> None:
+  """Log-log panels over the batch sizes (one tick per batch), each with its y label, a grid and a legend."""
+  import matplotlib.ticker
+
+  for ax, ylabel in axes:
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    if ax.lines:
+      ax.legend(fontsize=7)
+
+
 def plot(rows: Sequence[Row], path: str | os.PathLike, *, title: str = "") -> None:
   """A PNG with three panels over B: latency per implementation, speed-up over each baseline, % of the floor."""
   import matplotlib
-  import matplotlib.ticker
 
   matplotlib.use("Agg")  # files only: no display on benchmark machines
   import matplotlib.pyplot as plt
@@ -458,20 +483,8 @@ def plot(rows: Sequence[Row], path: str | os.PathLike, *, title: str = "") -> No
           ax_up.plot(*zip(*up), marker="o", color=c, linestyle=style, label=f"{impl} vs {b}")
   floor = sorted({(r.batch, r.floor_us) for r in rows})
   ax_lat.plot(*zip(*floor), color="k", linestyle=":", label="weight-streaming floor")
-  batches = sorted({r.batch for r in rows})
-  for ax, ylabel in ((ax_lat, "median latency (us)"), (ax_up, "speed-up (baseline latency / latency)"),
-                     (ax_floor, "% of the weight-streaming floor (floor / latency)")):
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xticks(batches, [str(b) for b in batches])
-    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-    ax.set_xlabel("tokens per call B")
-    ax.set_ylabel(ylabel)
-    ax.grid(True, which="both", alpha=0.3)
-    if ax.lines:
-      ax.legend(fontsize=7)
+  style_axes(((ax_lat, "median latency (us)"), (ax_up, "speed-up (baseline latency / latency)"),
+              (ax_floor, "% of the weight-streaming floor (floor / latency)")),
+             sorted({r.batch for r in rows}), "tokens per call B")
   ax_up.axhline(1.0, color="k", linewidth=0.8)
-  fig.suptitle(title)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  save_figure(fig, path, title)
