@@ -82,6 +82,18 @@ def test_every_case_family_over_all_gpus_equals_the_oracle(mesh, family, transpo
   np.testing.assert_array_equal(y.view(np.uint16), want.view(np.uint16), err_msg=f"{family} R={ranks} {transport}")
 
 
+
+def test_a_local_op_beyond_256_rows_runs_in_chunks(mesh):
+  """R * B * k > 256 rows per rank: the CUDA local op runs in chunks of 256 rows sorted by expert
+  (`ffi._moe.in_chunks`), still bit for bit."""
+  ranks = mesh.devices.size
+  b = 256 // (4 * ranks) + 8  # rows per rank R * B * k = 256 + 32 R
+  shape = dataclasses.replace(SMALL, experts=8 * ranks, top_k=4, tokens=b * ranks)
+  x, w, r = quantized(make_problem("zipf", shape, seed=90 + ranks))
+  y = _run(mesh, x, w, r, 10.0)
+  want = np.asarray(emulated(x, w, r.ids, r.weights, clamp=10.0))
+  np.testing.assert_array_equal(y.view(np.uint16), want.view(np.uint16))
+
 # ---- Subprocess runs (tests/ep_worker.py): one process per GPU, long loops and failure drills -------------------
 # A subprocess turns a hang into a failed test. NVLink multicast stays off in every process (issue 11).
 _NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
