@@ -108,7 +108,10 @@ def _free_port() -> int:
 
 def _launch(ranks: int, *args: str, per_process: bool, deadline_s: float = 240, **env: str) -> list[tuple[int, str]]:
   """(exit code, output) of each worker process; fails the test when one is still running at the deadline."""
-  base = {**os.environ, **_NO_MULTICAST, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONUNBUFFERED": "1", **env}
+  # The workers import the same gcmoe_jax as this process (the checkout when pytest runs from it).
+  path = os.pathsep.join(p for p in (str(_WORKER.parent.parent), os.environ.get("PYTHONPATH", "")) if p)
+  base = {**os.environ, **_NO_MULTICAST, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONUNBUFFERED": "1",
+          "PYTHONPATH": path, **env}
   if per_process:
     port = _free_port()
     cmds = [([sys.executable, str(_WORKER), *args, "--coordinator", f"localhost:{port}", "--num-processes",
