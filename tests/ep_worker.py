@@ -1,4 +1,5 @@
-"""One rank (or one process driving every GPU) of the expert-parallel runs in tests/test_multigpu.py (issue 11).
+"""One rank (or one process driving every GPU) of the expert-parallel runs in tests/test_multigpu.py (issue 11), and
+`launch`, which starts them.
 
 Started as a subprocess so that a hang is a timeout of the test, not of the suite, and so that ranks can be one
 process per GPU (``--process-id``: `jax.distributed` over a coordinator on localhost, one visible GPU each) or one
@@ -17,10 +18,66 @@ from __future__ import annotations
 
 import argparse
 import os
+import pathlib
+import socket
+import subprocess
 import sys
 import time
 
 import numpy as np
+
+# NVLink multicast stays off in every process (issue 11).
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def launch(ranks: int, *args: str, per_process: bool, deadline_s: float = 240, cpu: bool = False,
+           **env: str) -> list[tuple[int, str]]:
+  """Runs this script as ``ranks`` processes (``per_process``: one per device, `jax.distributed` over a coordinator
+  on localhost) or as one process driving ``ranks`` devices, and returns each process's (exit code, output).
+  ``cpu``: CPU devices (``--backend cpu``, gloo collectives across processes) instead of GPUs.
+
+  Raises:
+    TimeoutError: a process still running at the deadline (all are killed first), with its output's tail.
+  """
+  me = pathlib.Path(__file__)
+  # The workers import the same gcmoe_jax as the caller (the checkout when pytest runs from it).
+  path = os.pathsep.join(p for p in (str(me.parent.parent), os.environ.get("PYTHONPATH", "")) if p)
+  base = {**os.environ, **NO_MULTICAST, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONUNBUFFERED": "1",
+          "PYTHONPATH": path, **env}
+  if cpu:
+    args = (*args, "--backend", "cpu")
+    base.update(JAX_PLATFORMS="cpu", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
+  if per_process:
+    port = _free_port()
+    cmds = [([sys.executable, str(me), *args, "--coordinator", f"localhost:{port}", "--num-processes", str(ranks),
+              "--process-id", str(i)], {**base, "CUDA_VISIBLE_DEVICES": str(i)}) for i in range(ranks)]
+  else:
+    devices = {"XLA_FLAGS": f"{base.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={ranks}"} if cpu \
+        else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(ranks)))}
+    cmds = [([sys.executable, str(me), *args], {**base, **devices})]
+  procs = [subprocess.Popen(c, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c, e in cmds]
+  end = time.monotonic() + deadline_s
+  out = []
+  for i, proc in enumerate(procs):
+    try:
+      text, _ = proc.communicate(timeout=max(1.0, end - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      for q in procs:
+        q.kill()
+      raise TimeoutError(f"worker {i} still running after {deadline_s} s (a hang):\n{tail(proc.communicate()[0])}")
+    out.append((proc.returncode, text))
+  return out
+
+
+def tail(text: str, lines: int = 25) -> str:
+  """The last lines of a worker's output, without native stack-trace frames, each cut to 300 characters."""
+  return "\n".join([line[:300] for line in text.splitlines() if not line.startswith("    @")][-lines:])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,14 +13,9 @@ XLA_PYTHON_CLIENT_PREALLOCATE=false so that the workers find memory beside this 
 """
 
 import dataclasses
-import os
-import pathlib
 import re
-import socket
-import subprocess
-import sys
-import time
 
+import ep_worker
 import jax
 import numpy as np
 import pytest
@@ -96,45 +91,8 @@ def test_a_local_op_beyond_256_rows_runs_in_chunks(mesh):
 
 # ---- Subprocess runs (tests/ep_worker.py): one process per GPU, long loops and failure drills -------------------
 # A subprocess turns a hang into a failed test. NVLink multicast stays off in every process (issue 11).
-_NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-_WORKER = pathlib.Path(__file__).with_name("ep_worker.py")
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
-
-def _launch(ranks: int, *args: str, per_process: bool, deadline_s: float = 240, **env: str) -> list[tuple[int, str]]:
-  """(exit code, output) of each worker process; fails the test when one is still running at the deadline."""
-  # The workers import the same gcmoe_jax as this process (the checkout when pytest runs from it).
-  path = os.pathsep.join(p for p in (str(_WORKER.parent.parent), os.environ.get("PYTHONPATH", "")) if p)
-  base = {**os.environ, **_NO_MULTICAST, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONUNBUFFERED": "1",
-          "PYTHONPATH": path, **env}
-  if per_process:
-    port = _free_port()
-    cmds = [([sys.executable, str(_WORKER), *args, "--coordinator", f"localhost:{port}", "--num-processes",
-              str(ranks), "--process-id", str(i)], {**base, "CUDA_VISIBLE_DEVICES": str(i)}) for i in range(ranks)]
-  else:
-    cmds = [([sys.executable, str(_WORKER), *args], {**base, "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(ranks)))})]
-  procs = [subprocess.Popen(c, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c, e in cmds]
-  end = time.monotonic() + deadline_s
-  out = []
-  for i, proc in enumerate(procs):
-    try:
-      text, _ = proc.communicate(timeout=max(1.0, end - time.monotonic()))
-    except subprocess.TimeoutExpired:
-      for q in procs:
-        q.kill()
-      text = proc.communicate()[0]
-      pytest.fail(f"worker {i} still running after {deadline_s} s (a hang):\n{_tail(text)}")
-    out.append((proc.returncode, text))
-  return out
-
-
-def _tail(text: str, lines: int = 25) -> str:
-  return "\n".join([line[:300] for line in text.splitlines() if not line.startswith("    @")][-lines:])
+_launch = ep_worker.launch
+_tail = ep_worker.tail
 
 
 @pytest.fixture(scope="module")
