@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--die-at", type=int, default=-1)
   p.add_argument("--stall-at", type=int, default=-1)
   p.add_argument("--fault-rank", type=int, default=1)
+  p.add_argument("--exchange", type=int, default=0, help="instead of steps: this many `sharding._peers` exchanges")
+  p.add_argument("--exchange-timeout-ms", type=int, default=30_000)
   args = p.parse_args(argv)
 
   import jax
@@ -101,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id,
                                heartbeat_timeout_seconds=args.heartbeat, initialization_timeout=60,
                                shutdown_timeout_seconds=args.heartbeat)
+  if args.exchange:
+    return _exchange(args)
   import jax.numpy as jnp
   from jax.sharding import AxisType, NamedSharding
   from jax.sharding import PartitionSpec as P
@@ -177,6 +181,32 @@ def main(argv: list[str] | None = None) -> int:
     print(f"process {me}: graphs were instantiated inside the loop: {graphs} -> {graph_instantiations()}", flush=True)
     return 1
   print(f"OK {args.steps} steps in {time.perf_counter() - t0:.1f} s", flush=True)
+  return 0
+
+
+def _exchange(args) -> int:
+  """``--exchange N``: N exchanges of per-process random payloads, each checked against what every process sent
+  (payloads are derived from (exchange, process)); process ``--fault-rank`` skips them all with ``--die-at 0``
+  (then it only sleeps, alive, past the others' timeout)."""
+  import jax
+
+  from gcmoe_jax.sharding import _peers
+
+  me, n = jax.process_index(), jax.process_count()
+  if args.die_at == 0 and me == args.fault_rank:
+    print(f"process {me}: not publishing", flush=True)
+    time.sleep(2 * args.exchange_timeout_ms / 1000)
+    return 0
+
+  def payload(x: int, p: int) -> bytes:
+    return np.random.default_rng([x, p]).bytes(8 + 8 * p)
+
+  for x in range(args.exchange):
+    got = _peers.exchange(f"test{x}", payload(x, me), timeout_ms=args.exchange_timeout_ms)
+    if got != [payload(x, p) for p in range(n)]:
+      print(f"process {me}: exchange {x} MISMATCH", flush=True)
+      return 1
+  print(f"EXCHANGE OK {args.exchange} x {n} processes", flush=True)
   return 0
 
 
