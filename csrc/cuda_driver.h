@@ -57,7 +57,15 @@ namespace gcmoe {
   X(cuStreamGetCaptureInfo) \
   X(cuGraphAddChildGraphNode) \
   X(cuStreamUpdateCaptureDependencies) \
-  X(cuStreamSynchronize)
+  X(cuStreamSynchronize) \
+  X(cuDeviceGet) \
+  X(cuDevicePrimaryCtxRetain) \
+  X(cuDevicePrimaryCtxRelease) \
+  X(cuGreenCtxStreamCreate) \
+  X(cuLibraryGetKernel) \
+  X(cuLaunchKernel) \
+  X(cuMemcpyDtoH) \
+  X(cuStreamDestroy)
 
 struct CudaDriver {
 #define GCMOE_CUDA_DRIVER_MEMBER(name) decltype(&::name) name = nullptr;

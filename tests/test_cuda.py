@@ -376,3 +376,39 @@ def test_more_tokens_than_a_call_holds_run_in_chunks(k, tokens):
   y = jax.jit(lambda x, ids, wt: gm.moe(x, w, gm.Routes(ids, wt), clamp=10.0, backend="cuda"))(x, ids, r.weights)
   want = emulated(x, w, ids, r.weights, clamp=10.0)
   np.testing.assert_array_equal(np.asarray(y).view(np.uint16), np.asarray(want).view(np.uint16))
+
+
+def _peer_probe_cubin() -> bytes:
+  """csrc/kernels/peer_probe.cu for sm_90a: prebuilt under $GCMOE_CUBIN_DIR/probe, else compiled with nvcc."""
+  import os
+  import pathlib
+  import shutil
+  import subprocess
+
+  prebuilt = pathlib.Path(os.environ.get("GCMOE_CUBIN_DIR", ".")) / "probe" / "peer_probe.cubin"
+  if prebuilt.is_file():
+    return prebuilt.read_bytes()
+  nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+  if nvcc is None:
+    pytest.skip(f"no {prebuilt} and no nvcc to build it")
+  src = pathlib.Path(__file__).parent.parent / "csrc" / "kernels" / "peer_probe.cu"
+  out = pathlib.Path(os.environ.get("TMPDIR", "/tmp")) / "gcmoe_peer_probe.cubin"
+  subprocess.run([nvcc, "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-o", str(out), str(src)], check=True)
+  return out.read_bytes()
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_virtual_ranks_reach_each_other_from_disjoint_partitions(ranks):
+  """Issue 9's one-GPU mode: R green-context pairs as `geometry.split_virtual_ranks` plans them (R = 4 with the
+  32-SM floor lowered), R workspaces with a peer table, R probe kernels at once: each rank sees every rank's write
+  (which needs the R kernels to run concurrently in their disjoint partitions)."""
+  from gcmoe_jax import geometry
+  from gcmoe_jax.ffi import _cuda
+
+  facts, _ = _cuda.device_facts(0, "sm_90a")
+  split, bad = geometry.split_virtual_ranks(facts, ranks, min_compute_sms=16)
+  assert not bad, bad
+  seen, partition = ffi.debug_peer_probe(ranks, split.dispatch_sms, split.compute_sms, _peer_probe_cubin())
+  print(f"\n  R={ranks}: partitions (dispatch, compute) {partition.tolist()}, seen {seen.tolist()}")
+  assert (partition[:, 1] >= split.compute_sms).all() and (partition[:, 0] >= split.dispatch_sms).all()
+  np.testing.assert_array_equal(seen, np.tile(np.arange(1, ranks + 1, dtype=np.uint32), (ranks, 1)))

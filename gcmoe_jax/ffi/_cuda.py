@@ -192,3 +192,34 @@ def debug_set_stall_expert(expert: int, device: int | None = None) -> None:
   """
   lib = _library.library()
   lib.gcmoe_debug_set_stall_expert(ctypes.c_int32(expert), ctypes.c_int32(-1 if device is None else device))
+
+
+def debug_peer_probe(ranks: int, dispatch_sms: int, compute_sms: int, cubin: bytes, *, device: int = 0,
+                     timeout_ms: int = 2000) -> tuple[np.ndarray, np.ndarray]:
+  """Test hook for the fused transport's virtual ranks (issue 9): R (dispatch, compute) green-context pairs on one
+  GPU, R workspaces with a peer table, and one probe kernel per rank launched at once (``cubin``: built from
+  csrc/kernels/peer_probe.cu); each rank writes into every peer's mailbox and waits, bounded, for all of its own.
+
+  Returns:
+    ``seen`` int ``[R, R]`` (``seen[r, p] == p + 1`` when rank r saw rank p's write, 0 when it never arrived) and
+    ``partition`` int ``[R, 2]`` (dispatch, compute SMs each rank's pair got).
+
+  Raises:
+    RuntimeError: naming the driver call or the split that failed.
+  """
+  lib = _library.library()
+  if lib is None:
+    raise RuntimeError(f"gcmoe_jax FFI: {_library.library_info().error}")
+  fn = lib.gcmoe_peer_probe
+  fn.restype = ctypes.c_int
+  fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_int64,
+                 ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_int32), ctypes.c_char_p, ctypes.c_int]
+  seen = np.zeros((ranks, ranks), np.uint32)
+  partition = np.zeros((ranks, 2), np.int32)
+  error = ctypes.create_string_buffer(1024)
+  rc = fn(device, ranks, dispatch_sms, compute_sms, cubin, int(timeout_ms) * 1_000_000,
+          seen.ctypes.data_as(ctypes.POINTER(ctypes.c_uint32)), partition.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+          error, len(error))
+  if rc != 0:
+    raise RuntimeError(f"gcmoe_jax: the virtual-rank probe failed: {error.value.decode()}")
+  return seen, partition
