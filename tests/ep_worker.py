@@ -11,7 +11,8 @@ shards of the output with `reference.moe_emulated` on the global inputs, bit for
 Failure drills: ``--die-at S`` makes process ``--fault-rank`` exit abruptly (os._exit) at step S, as a killed
 rank; ``--stall-at S`` makes rank ``--fault-rank``'s role 1 withhold a local expert from step S on (the runtime's
 stall hook), as a stalled rank: its role 2 waits past GCMOE_WAIT_TIMEOUT_MS, that call's outputs become NaN and
-the next call raises the fault naming the device.
+a later call raises the fault naming the device. ``--exchange N`` runs N `sharding._peers` exchanges instead of
+steps. ``--backend cpu`` runs everything on CPU devices (the harness's own tests, tests/test_ep_processes.py).
 """
 
 from __future__ import annotations
