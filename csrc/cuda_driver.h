@@ -81,4 +81,14 @@ std::string CudaErrorMessage(const CudaDriver& driver, CUresult result, const ch
 
 }  // namespace gcmoe
 
+// In a function that returns the reason it failed as a std::string: returns CudaErrorMessage of `driver` when the
+// driver call `expr` fails. Files wrap it as GCMOE_CU(expr) with their driver table (`text` is #expr there, so the
+// message shows the call as written).
+#define GCMOE_CU_OR_RETURN(driver, expr, text)                                      \
+  do {                                                                              \
+    CUresult gcmoe_rc_ = (expr);                                                    \
+    if (gcmoe_rc_ != CUDA_SUCCESS)                                                  \
+      return ::gcmoe::CudaErrorMessage(driver, gcmoe_rc_, text, __FILE__, __LINE__);  \
+  } while (0)
+
 #endif  // GCMOE_JAX_CSRC_CUDA_DRIVER_H_

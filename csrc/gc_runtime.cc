@@ -87,12 +87,7 @@ class ScopedContext {
 
 }  // namespace
 
-#define GCMOE_CU(expr)                                                     \
-  do {                                                                     \
-    CUresult gcmoe_rc_ = (expr);                                           \
-    if (gcmoe_rc_ != CUDA_SUCCESS)                                         \
-      return CudaErrorMessage(cu_, gcmoe_rc_, #expr, __FILE__, __LINE__);  \
-  } while (0)
+#define GCMOE_CU(expr) GCMOE_CU_OR_RETURN(cu_, expr, #expr)
 
 void RegisterVariant(const std::string& key, std::shared_ptr<VariantSpec> spec) {
   Sha256 sha;

@@ -20,12 +20,7 @@ namespace {
 constexpr size_t kMailboxOffset = 512;  // the peer table (<= 64 u64) precedes the mailbox in each workspace
 constexpr size_t kWorkspaceBytes = 4096;
 
-#define GCMOE_PROBE_CU(expr)                                              \
-  do {                                                                    \
-    CUresult gcmoe_rc_ = (expr);                                          \
-    if (gcmoe_rc_ != CUDA_SUCCESS)                                        \
-      return CudaErrorMessage(cu, gcmoe_rc_, #expr, __FILE__, __LINE__);  \
-  } while (0)
+#define GCMOE_PROBE_CU(expr) GCMOE_CU_OR_RETURN(cu, expr, #expr)
 
 struct ProbeState {
   const CudaDriver& cu;
