@@ -163,6 +163,9 @@ def run(shape: sweep.BenchShape, ranks: int, batches: Sequence[int], impls: Sequ
   # MXFP4 bytes of one expert, payload and scales: 3 H I elements at 4 bits plus one UE8M0 byte per 32.
   expert_bytes = 3 * shape.hidden * shape.intermediate * (0.5 + 1 / 32)
   floor_kw = {k: kw[k] for k in ("seed", "chain") if k in kw}
+  if kw.get("weights") is None:  # generated and quantized once for every point (GLM5.2 at R = 2: 128 experts)
+    mesh = jax.make_mesh((ranks,), ("ep",), devices=jax.devices()[:ranks])
+    kw["weights"] = _weights(shape, ranks, mesh, kw.get("seed", 0), "baseline" in impls)
   rows = []
   for b in batches:
     floor = floor_us(shape, ranks, b, bandwidth=bandwidth, expert_bytes=expert_bytes, **floor_kw)
