@@ -142,8 +142,6 @@ def _summary(meta: dict, arch: str, v, seconds: float, quiet: bool) -> dict:
 
 def _report_rows(summaries: list[dict]) -> list[str]:
   """Markdown rows of `--report`: one per build."""
-  from gcmoe_jax import geometry
-
   dev = geometry.RTX_PRO_5000
   head = ("| variant | arch | registers (roles 1/2/3) | role 2 SMEM (dynamic + static) | local bytes (roles 1/2/3) "
           "| CTAs/SM built | fits 100 KB/SM at that c | paper eq. 9 S_role2 at B = capacity (c) |")
