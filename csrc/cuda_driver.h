@@ -65,7 +65,8 @@ namespace gcmoe {
   X(cuLibraryGetKernel) \
   X(cuLaunchKernel) \
   X(cuMemcpyDtoH) \
-  X(cuStreamDestroy)
+  X(cuStreamDestroy) \
+  X(cuStreamCreate)
 
 struct CudaDriver {
 #define GCMOE_CUDA_DRIVER_MEMBER(name) decltype(&::name) name = nullptr;

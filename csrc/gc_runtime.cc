@@ -269,9 +269,37 @@ std::string Runtime::Init(std::shared_ptr<const VariantSpec> spec, CUstream stre
   }
   role_ctx_[0] = pair->ctx[0];
   role_ctx_[1] = pair->ctx[1];
+  return Build(tokens, clamp);
+}
+
+std::shared_ptr<Runtime> Runtime::ForRank(const CudaDriver& cu, std::shared_ptr<const VariantSpec> spec,
+                                          CUcontext primary, CUdevice device, const CUcontext ctx[2],
+                                          const Partition& partition, int64_t tokens, float clamp,
+                                          std::string* error) {
+  std::shared_ptr<Runtime> rt(new Runtime(cu));
+  rt->spec_ = std::move(spec);
+  rt->primary_ = primary;
+  rt->device_ = device;
+  rt->partition_ = partition;
+  rt->role_ctx_[0] = ctx[0];
+  rt->role_ctx_[1] = ctx[1];
+  if (tokens > rt->spec_->capacity) {
+    *error = "gcmoe_moe: T = " + std::to_string(tokens) + " exceeds the kernel variant's token capacity " +
+             std::to_string(rt->spec_->capacity);
+    return nullptr;
+  }
+  ScopedContext current(cu, primary);
+  *error = current.status() != CUDA_SUCCESS
+               ? CudaErrorMessage(cu, current.status(), "cuCtxPushCurrent", __FILE__, __LINE__)
+               : rt->Build(tokens, clamp);
+  return error->empty() ? rt : nullptr;
+}
+
+std::string Runtime::Build(int64_t tokens, float clamp) {
+  const VariantSpec& s = *spec_;
   // Finalize runs after both roles, on the compute partition: a node on the primary context costs ~1.4 us more per
   // replay (one more context switch on the critical path; H200 probe, docs/perf.md).
-  role_ctx_[2] = pair->ctx[1];
+  role_ctx_[2] = role_ctx_[1];
 
   // ---- Cubins and the residency check (eq. 6) at the exact launch configuration.
   const unsigned role_sms[kNumRoles] = {partition_.dispatch_sms, partition_.compute_sms, partition_.compute_sms};
@@ -394,6 +422,15 @@ std::string Runtime::ReadFault(CUstream stream) {
   if (h->error_role == 1) {
     msg += " (role 1 read expert id " + std::to_string(static_cast<int32_t>(h->error_counter)) +
            ", outside [0, E): routes.ids must be < E)";
+  } else if (h->error_role == 4) {  // abi.ROLE_TRANSPORT: a wait of the fused transport
+    const uint32_t what = h->error_counter & 0xffff0000u, which = h->error_counter & 0xffffu;
+    msg += what == 0x40000u   ? " (the fused transport waited for rank " + std::to_string(which) +
+                                    " to publish this call, and it did not"
+           : what == 0x50000u ? " (the fused transport waited for this rank's dispatch CTAs to receive their rows"
+                              : " (the fused transport waited for the peers to return this rank's rows: " +
+                                    std::to_string(h->error_observed) + " row tiles arrived";
+    msg += " within " + std::to_string(spec_->timeout_ns / 1000000) +
+           " ms, GCMOE_WAIT_TIMEOUT_MS: a peer stalled or died; the outputs of that call were set to NaN)";
   } else {
     msg += " (a spin-wait exceeded its bound of " + std::to_string(spec_->timeout_ns / 1000000) +
            " ms, GCMOE_WAIT_TIMEOUT_MS; the outputs of that call were set to NaN)";
@@ -466,6 +503,10 @@ std::string Runtime::Execute(CUstream stream, const PointerParams& ptrs) {
     GCMOE_CU(cu_.cuStreamUpdateCaptureDependencies(stream, &child, nullptr, 1, CU_STREAM_SET_CAPTURE_DEPENDENCIES));
     return "";
   }
+  return LaunchGraph(stream, ptrs);
+}
+
+std::string Runtime::LaunchGraph(CUstream stream, const PointerParams& ptrs) {
   // Parameter updates cost microseconds per node: skip them when XLA hands back the same buffers (steady state).
   PointerParams want = ptrs;
   want[12] = workspace_;
@@ -475,6 +516,37 @@ std::string Runtime::Execute(CUstream stream, const PointerParams& ptrs) {
     exec_params_set_ = true;
   }
   GCMOE_CU(cu_.cuGraphLaunch(exec_, stream));
+  return "";
+}
+
+std::string Runtime::Launch(CUstream stream, const PointerParams& ptrs) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  ScopedContext current(cu_, primary_);
+  GCMOE_CU(current.status());
+  std::string fault = ReadFault(stream);
+  if (!fault.empty()) return fault;
+  return LaunchGraph(stream, ptrs);
+}
+
+std::string Runtime::SetPeers(int rank, const std::vector<CUdeviceptr>& table) {
+  if (rank < 0 || static_cast<size_t>(rank) >= table.size() || table.size() > static_cast<size_t>(kMaxRanks)) {
+    return "gcmoe_moe: rank " + std::to_string(rank) + " of a peer table of " + std::to_string(table.size()) +
+           " ranks (at most " + std::to_string(kMaxRanks) + ")";
+  }
+  ScopedContext current(cu_, primary_);
+  GCMOE_CU(current.status());
+  const uint32_t r = static_cast<uint32_t>(rank);
+  GCMOE_CU(cu_.cuMemcpyHtoD(workspace_ + offsetof(WorkspaceHeader, rank), &r, sizeof(r)));
+  GCMOE_CU(cu_.cuMemcpyHtoD(workspace_ + offsetof(WorkspaceHeader, peers), table.data(),
+                            table.size() * sizeof(CUdeviceptr)));
+  return "";
+}
+
+std::string Runtime::SetStall(int32_t e) {
+  ScopedContext current(cu_, primary_);
+  GCMOE_CU(current.status());
+  GCMOE_CU(cu_.cuMemcpyHtoD(workspace_ + offsetof(WorkspaceHeader, stall_expert), &e, sizeof(e)));
+  stall_applied_ = e;
   return "";
 }
 
@@ -542,7 +614,9 @@ GCMOE_EXPORT int gcmoe_workspace_header_offsets(int64_t* out, int n) {
       offsetof(gcmoe::WorkspaceHeader, timeout_ns),    offsetof(gcmoe::WorkspaceHeader, error_role),
       offsetof(gcmoe::WorkspaceHeader, error_block),   offsetof(gcmoe::WorkspaceHeader, error_epoch),
       offsetof(gcmoe::WorkspaceHeader, error_counter), offsetof(gcmoe::WorkspaceHeader, error_observed),
-      offsetof(gcmoe::WorkspaceHeader, stall_expert),  offsetof(gcmoe::WorkspaceHeader, host_mirror)};
+      offsetof(gcmoe::WorkspaceHeader, stall_expert),  offsetof(gcmoe::WorkspaceHeader, host_mirror),
+      offsetof(gcmoe::WorkspaceHeader, x_ready),       offsetof(gcmoe::WorkspaceHeader, rank),
+      offsetof(gcmoe::WorkspaceHeader, peers)};
   const int count = static_cast<int>(sizeof(offsets) / sizeof(offsets[0]));
   for (int i = 0; i < count && i < n; ++i) out[i] = offsets[i];
   return count;

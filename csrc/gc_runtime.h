@@ -47,8 +47,14 @@ struct WorkspaceHeader {
   uint32_t error_observed;
   int32_t stall_expert;
   uint64_t host_mirror;  // device address of the pinned host mirror (role 3 writes it when error_flag is set)
-  uint8_t pad[256 - 48];
+  // The fused transport (abi.HEADER): this rank's published call, its rank, and every rank's workspace address.
+  uint32_t x_ready;
+  uint32_t rank;
+  uint8_t pad0[8];
+  uint64_t peers[16];  // abi.MAX_RANKS
+  uint8_t pad[256 - 192];
 };
+inline constexpr int kMaxRanks = 16;
 static_assert(sizeof(WorkspaceHeader) == 256, "abi.HEADER_BYTES");
 
 struct RoleSpec {
@@ -95,10 +101,29 @@ class Runtime {
   // GCMOE_SYNC_CHECK: waits for the stream, then reports a fault of this call at once.
   std::string SyncAndCheck(CUstream stream);
 
+  // One rank of the fused transport's virtual-rank mode (docs/fused_transport.md), not cached: the graph's roles
+  // run on `ctx` (dispatch, compute: this rank's own green-context pair of `partition`) on `device`, whose primary
+  // context `primary` the caller keeps retained while the runtime lives.
+  static std::shared_ptr<Runtime> ForRank(const CudaDriver& cu, std::shared_ptr<const VariantSpec> spec,
+                                          CUcontext primary, CUdevice device, const CUcontext ctx[2],
+                                          const Partition& partition, int64_t tokens, float clamp,
+                                          std::string* error);
+  CUdeviceptr workspace() const { return workspace_; }
+  // Writes this rank and the peer table (every rank's workspace, this one's included) into the header: before the
+  // first launch, outside any capture.
+  std::string SetPeers(int rank, const std::vector<CUdeviceptr>& table);
+  // Test hook of one rank: its role 1 withholds local expert `e` (-1: off) from the next launch on.
+  std::string SetStall(int32_t e);
+  // Launches the graph on `stream` (no capture, no FaultBoard): a fault an earlier launch recorded is returned first.
+  std::string Launch(CUstream stream, const PointerParams& ptrs);
+
 
  private:
   Runtime(const CudaDriver& cu) : cu_(cu) {}
   std::string Init(std::shared_ptr<const VariantSpec> spec, CUstream stream, int64_t tokens, float clamp);
+  // Everything after the green-context pair: cubins, residency, workspace, graph (role_ctx_, partition_ set).
+  std::string Build(int64_t tokens, float clamp);
+  std::string LaunchGraph(CUstream stream, const PointerParams& ptrs);  // params (when changed), cuGraphLaunch
   std::string ReadFault(CUstream stream);   // this runtime's fault record, cleared ("" when none)
   std::string CheckFault(CUstream stream);  // ReadFault through the process's FaultBoard
   std::string SetParams(const PointerParams& ptrs, bool exec);

@@ -1,5 +1,5 @@
 // Virtual ranks on one GPU (issue 9, docs/fused_transport.md): R disjoint (dispatch, compute) green-context pairs
-// from two structured splits of the device's SMs, R workspaces, each with a peer table of the R mailboxes, and one
+// from one split of the device's SMs (virtual_ranks.h), R workspaces, each with a peer table of the R mailboxes, and one
 // probe kernel per rank launched at once on R streams of the compute green contexts (csrc/kernels/peer_probe.cu).
 // It checks what the fused transport's virtual-rank mode stands on before any protocol runs: the R pairs can be
 // made with the partition the geometry plans (`geometry.split_virtual_ranks`), kernels in disjoint partitions run
@@ -13,6 +13,7 @@
 
 #include "common.h"
 #include "cuda_driver.h"
+#include "virtual_ranks.h"
 
 namespace gcmoe {
 namespace {
@@ -27,7 +28,7 @@ struct ProbeState {
   CUdevice device = 0;
   CUcontext primary = nullptr;
   bool pushed = false;
-  std::vector<CUgreenCtx> green;  // compute, then dispatch, per rank
+  VirtualPairs pairs;
   std::vector<CUstream> streams;
   std::vector<CUdeviceptr> workspaces;
   CUdeviceptr seen = 0;
@@ -39,7 +40,7 @@ struct ProbeState {
     if (library != nullptr) cu.cuLibraryUnload(library);
     for (CUdeviceptr p : workspaces) cu.cuMemFree(p);
     if (seen != 0) cu.cuMemFree(seen);
-    for (CUgreenCtx g : green) cu.cuGreenCtxDestroy(g);
+    DestroyVirtualPairs(cu, &pairs);
     CUcontext popped;
     if (pushed) cu.cuCtxPopCurrent(&popped);
     if (primary != nullptr) cu.cuDevicePrimaryCtxRelease(device);
@@ -56,35 +57,16 @@ std::string Probe(const CudaDriver& cu, int ordinal, int ranks, unsigned dispatc
   GCMOE_PROBE_CU(cu.cuCtxPushCurrent(st.primary));
   st.pushed = true;
 
-  // Two structured splits: R compute groups of compute_sms, then R dispatch groups of dispatch_sms from the rest.
-  CUdevResource all{}, rest{}, rest2{};
-  GCMOE_PROBE_CU(cu.cuDeviceGetDevResource(st.device, &all, CU_DEV_RESOURCE_TYPE_SM));
-  std::vector<CUdevResource> compute(ranks), dispatch(ranks);
-  unsigned nc = static_cast<unsigned>(ranks), nd = static_cast<unsigned>(ranks);
-  GCMOE_PROBE_CU(cu.cuDevSmResourceSplitByCount(compute.data(), &nc, &all, &rest, 0, compute_sms));
-  if (nc != static_cast<unsigned>(ranks)) {
-    return "gcmoe_peer_probe: " + std::to_string(all.sm.smCount) + " SMs give " + std::to_string(nc) +
-           " compute group(s) of " + std::to_string(compute_sms) + ", not " + std::to_string(ranks);
-  }
-  GCMOE_PROBE_CU(cu.cuDevSmResourceSplitByCount(dispatch.data(), &nd, &rest, &rest2, 0, dispatch_sms));
-  if (nd != static_cast<unsigned>(ranks)) {
-    return "gcmoe_peer_probe: the " + std::to_string(rest.sm.smCount) + " SMs left give " + std::to_string(nd) +
-           " dispatch group(s) of " + std::to_string(dispatch_sms) + ", not " + std::to_string(ranks);
-  }
+  // R (dispatch, compute) pairs from one split of the device (virtual_ranks.h), a stream on each compute context.
+  std::string err = SplitVirtualRanks(cu, st.device, ranks, dispatch_sms, compute_sms, &st.pairs);
+  if (!err.empty()) return "gcmoe_peer_probe: " + err;
   std::vector<CUcontext> compute_ctx(ranks);
   for (int r = 0; r < ranks; ++r) {
-    partition_out[2 * r] = static_cast<int32_t>(dispatch[r].sm.smCount);
-    partition_out[2 * r + 1] = static_cast<int32_t>(compute[r].sm.smCount);
-    for (CUdevResource* res : {&compute[r], &dispatch[r]}) {
-      CUdevResourceDesc desc;
-      GCMOE_PROBE_CU(cu.cuDevResourceGenerateDesc(&desc, res, 1));
-      CUgreenCtx g = nullptr;
-      GCMOE_PROBE_CU(cu.cuGreenCtxCreate(&g, desc, st.device, CU_GREEN_CTX_DEFAULT_STREAM));
-      st.green.push_back(g);
-    }
-    GCMOE_PROBE_CU(cu.cuCtxFromGreenCtx(&compute_ctx[r], st.green[2 * r]));
+    partition_out[2 * r] = static_cast<int32_t>(st.pairs.partition[r].dispatch_sms);
+    partition_out[2 * r + 1] = static_cast<int32_t>(st.pairs.partition[r].compute_sms);
+    compute_ctx[r] = st.pairs.ctx[2 * r + 1];
     CUstream s = nullptr;
-    GCMOE_PROBE_CU(cu.cuGreenCtxStreamCreate(&s, st.green[2 * r], CU_STREAM_NON_BLOCKING, 0));
+    GCMOE_PROBE_CU(cu.cuGreenCtxStreamCreate(&s, st.pairs.green[2 * r + 1], CU_STREAM_NON_BLOCKING, 0));
     st.streams.push_back(s);
   }
 

@@ -404,3 +404,16 @@ def test_kernels_support_says_where_cubins_come_from(monkeypatch):
   monkeypatch.setattr(_cuda.importlib.util, "find_spec", lambda name: None)
   s = _cuda.kernels_support()
   assert not s.ok and "install nvidia-cutlass-dsl" in s.reason and "GCMOE_CUBIN_DIR" in s.reason
+
+
+def test_virtual_ranks_reject_bad_arguments_and_need_a_gpu(small_problem):
+  """The fused transport's one-GPU harness: arguments are checked first, naming the value; without a GPU it says
+  so instead of running anything."""
+  w = formats.quantize_experts(small_problem.w13, small_problem.w2)
+  with pytest.raises(ValueError, match=r"ranks must be in \[2, 16\] and divide E = 8, got 3"):
+    ffi.VirtualRanks(w, top_k=4, ranks=3, capacity=16, tokens=[1, 1, 1])
+  with pytest.raises(ValueError, match=r"tokens must hold 2 values in \[0, capacity = 16\], got \[1, 17\]"):
+    ffi.VirtualRanks(w, top_k=4, ranks=2, capacity=16, tokens=[1, 17])
+  if jax.default_backend() == "cpu":
+    with pytest.raises(RuntimeError, match="CUDA backend cannot run here"):
+      ffi.VirtualRanks(w, top_k=4, ranks=2, capacity=16, tokens=[1, 1])

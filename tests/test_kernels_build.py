@@ -260,6 +260,38 @@ def test_variant_parse_and_key():
   assert Variant.parse("512,256,8,4,16") == SMALL
   v = Variant.parse("6144,2048,32,8,64,2048,128")
   assert v.key == "h6144_i2048_e32_k8_t64_s2048g128" and v.shared
+  fused = Variant.parse("512,256,4,4,16,r2")
+  assert fused.ranks == 2 and fused.key == "h512_i256_e4_k4_t16_r2" and not fused.shared
+  assert Variant.parse("512,256,4,4,16,256,128,r4").key == "h512_i256_e4_k4_t16_s256g128_r4"
+
+
+def test_fused_workspace_holds_every_ranks_rows_and_leaves_the_local_layout_alone():
+  """R > 1 sizes the receive side for R C tokens and adds the transport's sections after every local one, so a
+  local (R = 1) variant's offsets are unchanged."""
+  local = Variant(512, 256, 4, 4, 16).workspace("v2")
+  fused = Variant(512, 256, 4, 4, 16, ranks=2).workspace("v2")
+  assert Variant(512, 256, 4, 4, 16, ranks=1).workspace("v2") == local
+  assert local.pub_ids == local.rxplanes == local.grw and local.total == local.grw  # empty sections at the end
+  assert fused.arena - fused.rows == 2 * (local.arena - local.rows)  # rows[e] holds R C k assignments
+  assert fused.aexp - fused.aplanes == 2 * (local.aexp - local.aplanes)
+  assert fused.rxexp - fused.rxplanes == 2 * 16 * (512 // 32) * abi.PLANES * 32
+  assert fused.pub_rw - fused.pub_ids >= 2 * 16 * 4 * 4  # both parities
+  assert abi.counter_words(4, 16, False, 2) == abi.counter_words(4, 16, False) + 2
+  assert abi.fused_counters(4, 16, False) == (5, 6)
+  assert abi.HEADER["peers"] + 8 * abi.MAX_RANKS <= abi.HEADER_BYTES
+
+
+@needs_dsl
+def test_fused_roles_synchronise_at_system_scope(cache):
+  """The fused variant's role 1 waits for the peers' publications and role 2 returns rows and counts them at
+  system scope (a peer may be another GPU); the local variant's role 2 has no system-scope access at all."""
+  meta = build.compile_variant("sm_90a", Variant(512, 256, 4, 4, 16, ranks=2), cache_dir=cache)
+  role1, role2, role3 = (_ptx(meta, r) for r in (1, 2, 3))
+  assert "gcmoe_role1_dispatch_fused" in role1 and "ld.acquire.sys" in role1 and "ld.global.cg.v4" in role1
+  assert "st.release.sys" in role2 and "red.release.sys" in role2
+  assert "ld.acquire.sys" in role3
+  local = build.compile_variant("sm_90a", SMALL, cache_dir=cache)
+  assert ".sys" not in _ptx(local, 2)
 
 
 def test_an_ablation_build_has_its_own_cubin_key(monkeypatch):
@@ -281,6 +313,9 @@ def test_an_ablation_build_has_its_own_cubin_key(monkeypatch):
   ("500,256,8,4,16", "hidden must be a multiple of 128"),
   ("512,256,0,4,16", "experts must be a positive int"),
   ("512,256,8,4,16,256,64", "shared_group must be 32 or 128"),
+  ("512,256,8,4,16,r0", "ranks must be an int in"),
+  ("512,256,8,4,16,r17", "ranks must be an int in"),
+  ("512,256,8,4,16,rx", "ints"),
 ])
 def test_variant_rejects(text, match):
   with pytest.raises(ValueError, match=match):

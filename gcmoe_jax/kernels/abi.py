@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["HEADER", "PARAMS", "Workspace", "counter_words", "workspace_layout", "SILU_TABLE_ENTRIES"]
+__all__ = ["HEADER", "PARAMS", "Workspace", "counter_words", "fused_counters", "workspace_layout", "SILU_TABLE_ENTRIES"]
 
 # Kernel parameter names, in order: 13 pointers, then T (int32) and clamp (float32).
 PARAMS = ("x", "ids", "route_weights", "w13", "w13_scale", "w2", "w2_scale", "s13", "s13_scale", "s2", "s2_scale",
@@ -44,7 +44,12 @@ HEADER = {
   "error_observed": 32,  # u32: the value seen last
   "stall_expert": 36,  # i32: test hook: role 1 never publishes this expert (-1 = off)
   "host_mirror": 40,  # u64: device address of the runtime's pinned host copy of this header (0 = none)
+  # The fused transport (ranks > 1; docs/fused_transport.md), set once by the runtime before the first replay:
+  "x_ready": 48,  # u32: epoch tag of this rank's call whose x, ids, route weights and T are published
+  "rank": 52,  # u32: this rank
+  "peers": 64,  # u64 [MAX_RANKS]: every rank's workspace base address, this one's included (the peer table)
 }
+MAX_RANKS = 16
 # Words of the header that role 3 copies to ``host_mirror`` when ``error_flag`` is set: error_flag .. error_observed.
 MIRROR_WORDS = ("error_flag", "error_role", "error_block", "error_epoch", "error_counter", "error_observed")
 HEADER_BYTES = 256
@@ -54,6 +59,10 @@ NAN_WORD = 0x7FFFFFFF  # exponent word of a block that held a NaN/Inf (not a mul
 FAST_EXP = (-63, 35)  # e - 10 of every block of a row in this range (and no NaN): the row may take the fast path
 # error_counter of a role-2 wait, by what was awaited (low bits: the expert id where there is one).
 WAIT_READY, WAIT_GEMM1, WAIT_XQ, WAIT_SHARED = 0, 0x10000, 0x20000, 0x30000
+# Waits of the fused transport: a peer's published call (+ the peer's rank; role 1), every CTA's received rows
+# (role 1), and this rank's returned rows (role 3).
+WAIT_PEER, WAIT_RECEIVED, WAIT_RETURNS = 0x40000, 0x50000, 0x60000
+ROLE_TRANSPORT = 4  # error_role of a fused-transport wait that expired (error_counter: one of the three above)
 SILU_TABLE_ENTRIES = 1 << 16  # float32 silu(g) per BF16 bit pattern (reference.silu_table)
 ALIGN = 256
 
@@ -95,44 +104,80 @@ class Workspace:
   sact: int  # i32 [capacity, Is]
   sexp: int  # i32 [capacity, Is / 32]
   snan: int  # i32 [capacity, Is / 32]
+  # The fused transport (ranks R > 1; 0 bytes otherwise). A row of the R C global tokens g = p C + t (rank p's
+  # token t) and a global assignment g k + j index the receive side: ``rows``, ``aplanes``..``asf`` then hold
+  # R C k rows instead of C k. Each rank publishes its call's ids, route weights and T by parity (peers may still
+  # read the previous call's), role 1 copies the rows its experts need from the peers' ``xplanes``..``xsf`` into
+  # ``rx*`` and their route weights into ``grw``; peers store the GEMM2 rows of this rank's tokens into its
+  # ``arena`` and count them in ``counters`` (`counter_words`).
+  pub_ids: int  # i32 [2, capacity * k]
+  pub_rw: int  # f32 [2, capacity * k]
+  pub_tokens: int  # i32 [2]
+  rxplanes: int  # int8 [R capacity, H / 32, 3, 32]
+  rxexp: int  # i32 [R capacity, H / 32]
+  rxflag: int  # u32 [R capacity]
+  rxsf: int  # u8 [R capacity, H / 32]
+  grw: int  # f32 [R capacity * k]: route weight of each received assignment
   total: int  # bytes
 
   def as_attrs(self) -> dict[str, int]:
     return {f"ws_{f.name}": getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
-def counter_words(experts: int, capacity: int, shared: bool) -> int:
-  """Words of one parity of the v2 ``counters`` section: E experts, the x-quantization count, and with a shared
-  expert one per token."""
-  return experts + 1 + (capacity if shared else 0)
+def counter_words(experts: int, capacity: int, shared: bool, ranks: int = 1) -> int:
+  """Words of one parity of the v2 ``counters`` section: E experts, the x-quantization count, with a shared
+  expert one per token, and with R > 1 ranks two more (`fused_counters`)."""
+  return experts + 1 + (capacity if shared else 0) + (2 if ranks > 1 else 0)
+
+
+def fused_counters(experts: int, capacity: int, shared: bool) -> tuple[int, int]:
+  """Word indices, in one parity of ``counters``, of the fused transport's counts: role-1 CTAs done copying
+  received rows, and GEMM2 rows returned to this rank by every rank (C k valid routes x H / 128 tiles when all
+  landed)."""
+  base = experts + 1 + (capacity if shared else 0)
+  return base, base + 1
 
 
 def workspace_layout(experts: int, capacity: int, top_k: int, hidden: int, shared: bool,
-                     intermediate: int = 0, shared_intermediate: int = 0) -> Workspace:
+                     intermediate: int = 0, shared_intermediate: int = 0, ranks: int = 1) -> Workspace:
   """The workspace layout of a variant: sections in a fixed order, each 256-byte aligned.
 
   ``intermediate`` (I) sizes the v2 sections; 0 leaves them empty (the v1 kernels do not use them).
-  ``shared_intermediate`` (Is) sizes the v2 shared-expert sections (0: none).
+  ``shared_intermediate`` (Is) sizes the v2 shared-expert sections (0: none). ``ranks`` (R, v2 only) > 1 adds the
+  fused transport's sections and sizes the receive side for R C tokens.
   """
+  if not 1 <= ranks <= MAX_RANKS:
+    raise ValueError(f"workspace_layout: ranks must be in [1, {MAX_RANKS}], got {ranks}")
   off = HEADER_BYTES
   sections = {}
   v2 = intermediate > 0
+  fused = v2 and ranks > 1
+  rx = capacity * ranks if fused else 0  # received tokens
+  rcap = capacity * ranks if fused else capacity  # tokens whose assignments the receive side holds
   block_bytes = PLANES * 32
   for name, size in (("silu_table", 4 * SILU_TABLE_ENTRIES), ("ready", 4 * experts), ("count", 4 * experts),
-                     ("rows", 4 * experts * capacity * top_k), ("arena", 2 * capacity * top_k * hidden),
+                     ("rows", 4 * experts * rcap * top_k), ("arena", 2 * capacity * top_k * hidden),
                      ("shared_out", 2 * capacity * hidden if shared else 0),
                      ("xplanes", capacity * (hidden // 32) * block_bytes if v2 else 0),
                      ("xexp", capacity * (hidden // 32) * 4 if v2 else 0),
                      ("xflag", capacity * 4 if v2 else 0),
-                     ("aplanes", capacity * top_k * (intermediate // 32) * block_bytes if v2 else 0),
-                     ("aexp", capacity * top_k * (intermediate // 32) * 4 if v2 else 0),
-                     ("aflag", capacity * top_k * 4 if v2 else 0),
-                     ("counters", 2 * 4 * counter_words(experts, capacity, shared) if v2 else 0),
+                     ("aplanes", rcap * top_k * (intermediate // 32) * block_bytes if v2 else 0),
+                     ("aexp", rcap * top_k * (intermediate // 32) * 4 if v2 else 0),
+                     ("aflag", rcap * top_k * 4 if v2 else 0),
+                     ("counters", 2 * 4 * counter_words(experts, capacity, shared, ranks) if v2 else 0),
                      ("xsf", capacity * (hidden // 32) if v2 else 0),
-                     ("asf", capacity * top_k * (intermediate // 32) if v2 else 0),
+                     ("asf", rcap * top_k * (intermediate // 32) if v2 else 0),
                      ("sact", 4 * capacity * shared_intermediate if v2 and shared else 0),
                      ("sexp", 4 * capacity * (shared_intermediate // 32) if v2 and shared else 0),
-                     ("snan", 4 * capacity * (shared_intermediate // 32) if v2 and shared else 0)):
+                     ("snan", 4 * capacity * (shared_intermediate // 32) if v2 and shared else 0),
+                     ("pub_ids", 2 * 4 * capacity * top_k if fused else 0),
+                     ("pub_rw", 2 * 4 * capacity * top_k if fused else 0),
+                     ("pub_tokens", 2 * 4 if fused else 0),
+                     ("rxplanes", rx * (hidden // 32) * block_bytes),
+                     ("rxexp", rx * (hidden // 32) * 4),
+                     ("rxflag", rx * 4),
+                     ("rxsf", rx * (hidden // 32)),
+                     ("grw", 4 * rx * top_k)):
     sections[name] = off
     off = _align(off + size)
   return Workspace(total=off, **sections)

@@ -88,6 +88,9 @@ class Variant:
     top_k: k.
     capacity: TCAP, the most tokens one call may carry (sizes the workspace).
     shared_intermediate, shared_group: Is and the shared expert's scale group (32 or 128), or None without one.
+    ranks: R, the ranks of the fused expert-parallel transport (docs/fused_transport.md): 1 (the default) is the
+      local operator; R > 1 builds kernels that pull rows from R - 1 peers and return their outputs (``experts``
+      is then the local L, global ids in [0, L R), ``capacity`` the tokens of one rank).
   """
 
   hidden: int
@@ -97,6 +100,7 @@ class Variant:
   capacity: int
   shared_intermediate: int | None = None
   shared_group: int | None = None
+  ranks: int = 1
 
   def __post_init__(self):
     problems = []
@@ -108,6 +112,8 @@ class Variant:
       v = getattr(self, name)
       if not _is_int(v) or v < 1:
         problems.append(f"{name} must be a positive int, got {v!r}")
+    if not _is_int(self.ranks) or not 1 <= self.ranks <= abi.MAX_RANKS:
+      problems.append(f"ranks must be an int in [1, {abi.MAX_RANKS}], got {self.ranks!r}")
     if (self.shared_intermediate is None) != (self.shared_group is None):
       problems.append(f"shared_intermediate and shared_group must both be set or both be None, got "
                       f"{self.shared_intermediate!r} and {self.shared_group!r}")
@@ -122,14 +128,21 @@ class Variant:
 
   @classmethod
   def parse(cls, text: str) -> Variant:
-    """``"H,I,E,k,TCAP"`` or ``"H,I,E,k,TCAP,Is,group"`` (the CLI's ``--variant``)."""
+    """``"H,I,E,k,TCAP[,Is,group][,rR]"`` (the CLI's ``--variant``; ``rR``: R ranks of the fused transport)."""
+    parts = text.split(",")
+    ranks = 1
     try:
-      values = [int(p) for p in text.split(",")]
+      if parts and parts[-1].startswith("r"):
+        ranks = int(parts.pop()[1:])
+      values = [int(p) for p in parts]
     except ValueError:
-      raise ValueError(f"Variant.parse: expected H,I,E,k,TCAP[,Is,group] (ints), got {text!r}") from None
+      raise ValueError(f"Variant.parse: expected H,I,E,k,TCAP[,Is,group][,rR] (ints), got {text!r}") from None
     if len(values) not in (5, 7):
-      raise ValueError(f"Variant.parse: expected 5 or 7 comma-separated ints H,I,E,k,TCAP[,Is,group], got {text!r}")
-    return cls(*values)
+      raise ValueError(f"Variant.parse: expected 5 or 7 comma-separated ints H,I,E,k,TCAP[,Is,group], then "
+                       f"optionally rR, got {text!r}")
+    if len(values) == 5:
+      values += [None, None]
+    return cls(*values, ranks)
 
   @property
   def shared(self) -> bool:
@@ -139,13 +152,15 @@ class Variant:
   def key(self) -> str:
     """A file-name-safe name, e.g. ``h512_i256_e8_k4_t16`` or ``h512_i256_e8_k4_t16_s256g128``."""
     k = f"h{self.hidden}_i{self.intermediate}_e{self.experts}_k{self.top_k}_t{self.capacity}"
-    return k + (f"_s{self.shared_intermediate}g{self.shared_group}" if self.shared else "")
+    k += f"_s{self.shared_intermediate}g{self.shared_group}" if self.shared else ""
+    return k + (f"_r{self.ranks}" if self.ranks > 1 else "")
 
   def workspace(self, kernels: str | None = None) -> abi.Workspace:
     """The workspace layout the role kernels of generation ``kernels`` (default: `generation()`) index."""
     v2 = (kernels or generation()) == "v2"
     return abi.workspace_layout(self.experts, self.capacity, self.top_k, self.hidden, self.shared,
-                                self.intermediate if v2 else 0, (self.shared_intermediate or 0) if v2 else 0)
+                                self.intermediate if v2 else 0, (self.shared_intermediate or 0) if v2 else 0,
+                                self.ranks if v2 else 1)
 
   def to_dict(self) -> dict[str, int | None]:
     return dataclasses.asdict(self)
@@ -544,4 +559,4 @@ def _variant_arg(v: Variant) -> str:
   fields = [v.hidden, v.intermediate, v.experts, v.top_k, v.capacity]
   if v.shared:
     fields += [v.shared_intermediate, v.shared_group]
-  return ",".join(str(f) for f in fields)
+  return ",".join(str(f) for f in fields) + (f",r{v.ranks}" if v.ranks > 1 else "")

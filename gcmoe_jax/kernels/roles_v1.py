@@ -405,6 +405,9 @@ class RoleKernelsV1:
   GENERATION = "v1"  # the workspace layout this class indexes (`Variant.workspace`)
 
   def __init__(self, variant: Variant):
+    if variant.ranks > 1 and self.GENERATION == "v1":
+      raise ValueError(f"roles_v1: the fused transport (ranks = {variant.ranks}) needs the v2 kernels "
+                       f"(GCMOE_KERNELS=v2)")
     self.v = variant
     self.ws = variant.workspace(self.GENERATION)
     self.k_max = max(variant.hidden, variant.intermediate, variant.shared_intermediate or 0)
@@ -717,13 +720,16 @@ class RoleKernelsV1:
     yb = y.toint()
     idb = ids.toint()
     n_tok = cutlass.min(cutlass.max(tokens, 0), v.capacity)
+    if cutlass.const_expr(v.ranks > 1):
+      self._await_returns(wsb, idb, n_tok, bid)  # the peers' GEMM2 rows of this rank's tokens (fused transport)
     fault = _ld(wsb + abi.HEADER["error_flag"])
     if cutlass.const_expr(self.GENERATION == "v2"):
       if bid == 0:
         # The next call (parity epoch & 1, as cur = epoch + 1 here) counts from zero: roles 1 and 2 of this call are
-        # done (graph edges), and the next call's cannot start before this kernel ends.
+        # done (graph edges), and the next call's cannot start before this kernel ends. (With the fused transport,
+        # peers count into this rank's next parity only after its next call published: see `_await_returns`.)
         nxt = _ld(wsb + abi.HEADER["epoch"]) & 1
-        words = abi.counter_words(v.experts, v.capacity, v.shared)
+        words = abi.counter_words(v.experts, v.capacity, v.shared, v.ranks)
         for i in range(tid, words, THREADS):
           _st(wsb + ws.counters + (Int64(nxt) * words + i) * WORD_BYTES, 0)
     for t in range(bid, n_tok, Int32(grid)):
@@ -731,7 +737,11 @@ class RoleKernelsV1:
         acc = Int32(0)  # +0.0
         for j in cutlass.range_constexpr(v.top_k):
           a = t * v.top_k + j
-          o = _ld_nc_bf16(wsb + ws.arena + (Int64(a) * v.hidden + h) * BF16_BYTES)  # arena[t k + j, h]
+          if cutlass.const_expr(v.ranks > 1):  # written by the peers during this call: not the read-only path
+            o = _ptx1("ld.global.cg.u16 {$w0}, [{$r0}];", wsb + ws.arena + (Int64(a) * v.hidden + h) * BF16_BYTES)
+            o = o << BF16_SHIFT
+          else:
+            o = _ld_nc_bf16(wsb + ws.arena + (Int64(a) * v.hidden + h) * BF16_BYTES)  # arena[t k + j, h]
           valid = _ld_nc(idb + Int64(a) * WORD_BYTES) >= 0
           acc = _fadd(acc, cutlass.select_(valid, o, Int32(0)))
         if cutlass.const_expr(v.shared):

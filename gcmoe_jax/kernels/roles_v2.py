@@ -255,6 +255,51 @@ def _red_release_add(addr, v) -> None:
   cute.arch.inline_ptx("red.release.gpu.global.add.u32 [{$r0}], {$r1};", read_only_args=[addr, Int32(v)])
 
 
+# ---- the fused transport's peer accesses (system scope: a peer may be another GPU) ---------------------------------
+
+
+def _peer(wsb, p) -> Int64:
+  """Rank ``p``'s workspace base address, from this workspace's peer table (written before the first replay)."""
+  return v1._ld(wsb + abi.HEADER["peers"] + Int64(p) * 8, Int64)
+
+
+def _ld_sys(addr) -> Int32:
+  """An acquire load at system scope: a flag or count a peer published."""
+  return v1._ptx1("ld.acquire.sys.global.u32 {$w0}, [{$r0}];", addr)
+
+
+def _ld_cg(addr) -> Int32:
+  """A load through L2 only: data a peer wrote during this call (after an acquire of its flag)."""
+  return v1._ptx1("ld.global.cg.u32 {$w0}, [{$r0}];", addr)
+
+
+def _copy16(dst, src) -> None:
+  """16 B global -> global, the source read through L2 only (a peer's row)."""
+  cute.arch.inline_ptx("{ .reg .b32 _a, _b, _c, _d; ld.global.cg.v4.u32 {_a, _b, _c, _d}, [{$r1}]; "
+                       "st.global.v4.u32 [{$r0}], {_a, _b, _c, _d}; }", read_only_args=[dst, src])
+
+
+def _st_release_sys(addr, v) -> None:
+  cute.arch.inline_ptx("st.release.sys.global.u32 [{$r0}], {$r1};", read_only_args=[addr, Int32(v)])
+
+
+def _red_release_sys(addr, v) -> None:
+  cute.arch.inline_ptx("red.release.sys.global.add.u32 [{$r0}], {$r1};", read_only_args=[addr, Int32(v)])
+
+
+def _fence_sys() -> None:
+  cute.arch.inline_ptx("fence.acq_rel.sys;", read_only_args=[])
+
+
+def _sts_u8(addr, v) -> None:
+  cute.arch.inline_ptx("st.shared.u8 [{$r0}], {$r1};", read_only_args=[addr, Int32(v)])
+
+
+def _warp_any(pred) -> Int32:
+  return v1._ptx1("{ .reg .pred _p, _q; setp.ne.s32 _p, {$r0}, 0; vote.sync.any.pred _q, _p, -1; "
+                  "selp.s32 {$w0}, 1, 0, _q; }", Int32(pred))
+
+
 class RoleKernelsV2(v1.RoleKernelsV1):
   """v1's roles 1 and 3 and a tensor-core role 2 for one `Variant` and target architecture.
 
@@ -289,6 +334,12 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     self.nt_max = 2 if small else NT_MAX
     self.ctas = 2 if small else 1
     self.token_stride = QMMA_TOKEN_STRIDE if self.qmma else TOKEN_STRIDE
+    # The fused transport (R > 1): the receive side holds the R C tokens of every rank (`abi.Workspace`), and role
+    # 1 keeps one tag byte per global assignment in SMEM (the local expert it goes to, or 0xFF).
+    self.fused = v.ranks > 1
+    self.rcap = v.capacity * v.ranks
+    self.tags = CTRL_BYTES // 8
+    self.role1_smem = (self.tags + (self.rcap * v.top_k + 3) // 4 * 4 + 127) // 128 * 128 if self.fused else 0
     self.v1_smem = v1.smem_bytes(variant) if v.shared else 0
     if self.qmma:
       # SM120's budget (99 KB per CTA, 100 KB per SM: `geometry.RTX_PRO_5000`): as many stages as fit c CTAs.
@@ -305,11 +356,27 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       self.pipe_bytes = PIPE_STAGES[self.ctas - 1] * stage_bytes(self.nt_max)
 
   def dynamic_smem(self, role: int) -> int:
+    if role == 1:
+      return self.role1_smem
     return self.pipe + max(self.pipe_bytes, self.v1_smem) if role == 2 else 0
 
   def ctas_per_sm(self, role: int) -> int:
     """CTAs of role ``role`` the kernel is built to co-schedule per SM (its grid is that times the compute SMs)."""
     return self.ctas if role == 2 else 1
+
+  @cute.jit
+  def launch_role1(self, x: cute.Pointer, ids: cute.Pointer, route_weights: cute.Pointer, w13: cute.Pointer,
+                   w13_scale: cute.Pointer, w2: cute.Pointer, w2_scale: cute.Pointer, s13: cute.Pointer,
+                   s13_scale: cute.Pointer, s2: cute.Pointer, s2_scale: cute.Pointer, y: cute.Pointer,
+                   workspace: cute.Pointer, tokens: Int32, clamp: Float32):
+    if cutlass.const_expr(self.fused):
+      self.role1_fused(x, ids, route_weights, w13, w13_scale, w2, w2_scale, s13, s13_scale, s2, s2_scale, y,
+                       workspace, tokens, clamp).launch(
+        grid=[1, 1, 1], block=[THREADS, 1, 1], smem=self.role1_smem, min_blocks_per_mp=v1.MIN_CTAS_PER_SM)
+    else:
+      self.role1_dispatch(x, ids, route_weights, w13, w13_scale, w2, w2_scale, s13, s13_scale, s2, s2_scale, y,
+                          workspace, tokens, clamp).launch(
+        grid=[1, 1, 1], block=[THREADS, 1, 1], min_blocks_per_mp=v1.MIN_CTAS_PER_SM)
 
   @cute.jit
   def launch_role2(self, x: cute.Pointer, ids: cute.Pointer, route_weights: cute.Pointer, w13: cute.Pointer,
@@ -320,6 +387,114 @@ class RoleKernelsV2(v1.RoleKernelsV1):
                   workspace, tokens, clamp).launch(
       grid=[1, 1, 1], block=[THREADS, 1, 1], smem=self.dynamic_smem(2), min_blocks_per_mp=v1.MIN_CTAS_PER_SM)
     # (Two CTAs per SM: build.py rewrites .minnctapersm and .maxnreg and assembles with the local ptxas.)
+
+  # ////////////////////////////////////////////////////////////////////////////////////////////////////////////////
+
+  @cute.kernel
+  def role1_fused(self, x: cute.Pointer, ids: cute.Pointer, route_weights: cute.Pointer, w13: cute.Pointer,
+                  w13_scale: cute.Pointer, w2: cute.Pointer, w2_scale: cute.Pointer, s13: cute.Pointer,
+                  s13_scale: cute.Pointer, s2: cute.Pointer, s2_scale: cute.Pointer, y: cute.Pointer,
+                  workspace: cute.Pointer, tokens: Int32, clamp: Float32):
+    """Role 1 of the fused transport (R > 1, paper §4.5), every CTA of the dispatch partition:
+
+    1. block 0: this rank's ids >= L R are faults (role 1, as in v1);
+    2. thread p waits (bounded) until rank p published this call (``x_ready >= cur``: its role 2 quantized x and
+       stored its ids, route weights and T); its T to SMEM;
+    3. a warp per global token g = p C + t: if one of its k ids is a local expert, its quantized row (digit planes,
+       exponent words, scale bytes, flag) is copied from rank p's workspace into ``rx*[g]`` (the pull cache keyed
+       by (rank, token): a row is pulled once whatever k of its routes land here);
+    4. each CTA counts itself done (release), block 0 waits for all, tags every global assignment with its local
+       expert in SMEM (and stores its route weight into ``grw``), then thread e lists expert e's rows in (rank,
+       token, slot) order and publishes ``ready[e] = cur`` as in v1.
+    """
+    v, ws = self.v, self.ws
+    tid, _, _ = cute.arch.thread_idx()
+    bid, _, _ = cute.arch.block_idx()
+    grid, _, _ = cute.arch.grid_dim()
+    warp = tid // 32
+    lane = tid % 32
+    smem = cute.arch.get_dyn_smem(Int32, alignment=128).toint()
+    tags = smem + self.tags
+    n_tags = (self.rcap * v.top_k + 3) // 4 * 4
+    ranks, cap, k, local = v.ranks, v.capacity, v.top_k, v.experts
+    wsb = workspace.toint()
+    idb = ids.toint()
+    n_assign = cutlass.min(cutlass.max(tokens, 0), cap) * k
+    cur = v1._ld(wsb + abi.HEADER["epoch"]) + 1
+    par = cur & 1
+    lo = v1._ld(wsb + abi.HEADER["rank"]) * local
+    words = abi.counter_words(local, cap, v.shared, ranks)
+    received, _ = abi.fused_counters(local, cap, v.shared)
+    counter = wsb + ws.counters + (Int64(par) * words + received) * v1.WORD_BYTES
+    pub = Int64(par) * (cap * k)
+    row_bytes = self.nblk_h * BLOCK_BYTES
+    if bid == 0:
+      for a in range(tid, n_assign, THREADS):
+        eid = v1._ld_nc(idb + Int64(a) * v1.WORD_BYTES)
+        if eid >= local * ranks:
+          v1._record_fault(wsb, 1, bid, cur, eid, a)
+    ok = Int32(1)
+    if tid < ranks:
+      pb = _peer(wsb, tid)
+      ok = self._wait_geq(pb + abi.HEADER["x_ready"], cur, wsb, cur, bid, abi.WAIT_PEER + tid, abi.ROLE_TRANSPORT,
+                          "sys")
+      _sts(smem + 16 + tid * 4, cutlass.select_(ok != 0, _ld_cg(pb + ws.pub_tokens + Int64(par) * 4), Int32(0)))
+    ok = 1 - _bar_or(ok == 0)
+    if ok != 0:
+      for gt in range(bid * WARPS + warp, ranks * cap, Int32(grid) * WARPS):
+        p = gt // cap
+        t = gt - p * cap
+        pb = _peer(wsb, p)
+        hit = Int32(0)
+        if (lane < k) & (t < _lds(smem + 16 + p * 4)):
+          gid = _ld_cg(pb + ws.pub_ids + (pub + t * k + lane) * v1.WORD_BYTES)
+          hit = cutlass.select_((gid >= lo) & (gid < lo + local), Int32(1), Int32(0))
+        if _warp_any(hit) != 0:
+          for c in range(lane, row_bytes // 16, 32):
+            _copy16(wsb + ws.rxplanes + Int64(gt) * row_bytes + c * 16, pb + ws.xplanes + Int64(t) * row_bytes + c * 16)
+          for c in range(lane, self.nblk_h // 4, 32):
+            _copy16(wsb + ws.rxexp + (Int64(gt) * self.nblk_h + 4 * c) * 4,
+                    pb + ws.xexp + (Int64(t) * self.nblk_h + 4 * c) * 4)
+            v1._st(wsb + ws.rxsf + Int64(gt) * self.nblk_h + 4 * c, _ld_cg(pb + ws.xsf + Int64(t) * self.nblk_h + 4 * c))
+          if lane == 0:
+            v1._st(wsb + ws.rxflag + Int64(gt) * 4, _ld_cg(pb + ws.xflag + Int64(t) * 4))
+    cute.arch.sync_threads()
+    if (tid == 0) & (ok != 0):  # a CTA whose wait failed never counts itself: block 0's wait then ends on the fault
+      cute.arch.fence_acq_rel_gpu()
+      _red_release_add(counter, 1)
+    if bid == 0:
+      if tid == 0:
+        if ok != 0:
+          ok = self._wait_geq(counter, Int32(grid), wsb, cur, bid, Int32(abi.WAIT_RECEIVED), abi.ROLE_TRANSPORT)
+      ok = 1 - _bar_or(ok == 0)
+      if ok != 0:
+        for i in range(tid, n_tags, THREADS):
+          tag = Int32(0xFF)
+          gt = i // k
+          p = gt // cap
+          t = gt - p * cap
+          if (gt < ranks * cap) & (t < _lds(smem + 16 + cutlass.min(p, Int32(ranks - 1)) * 4)):
+            at = pub + t * k + (i - gt * k)
+            gid = _ld_cg(_peer(wsb, p) + ws.pub_ids + at * v1.WORD_BYTES)
+            if (gid >= lo) & (gid < lo + local):
+              tag = gid - lo
+              v1._st(wsb + ws.grw + Int64(i) * v1.WORD_BYTES, _ld_cg(_peer(wsb, p) + ws.pub_rw + at * v1.WORD_BYTES))
+          _sts_u8(tags + i, tag)
+      cute.arch.sync_threads()
+      if ok != 0:
+        stall = v1._ld(wsb + abi.HEADER["stall_expert"])
+        for e in range(tid, local, THREADS):
+          rows_e = wsb + ws.rows + Int64(e) * (self.rcap * k * v1.WORD_BYTES)
+          count = Int32(0)
+          for w in range(n_tags // 4):
+            word = _lds(tags + w * 4)
+            for b in cutlass.range_constexpr(4):
+              if ((word >> (8 * b)) & 0xFF) == e:
+                v1._st(rows_e + Int64(count) * v1.WORD_BYTES, w * 4 + b)
+                count = count + 1
+          v1._st(wsb + ws.count + Int64(e) * v1.WORD_BYTES, count)
+          if e != stall:
+            cute.arch.store(v1._gptr(wsb + ws.ready + Int64(e) * v1.WORD_BYTES), cur, sem="release", scope="gpu")
 
   # ////////////////////////////////////////////////////////////////////////////////////////////////////////////////
 
@@ -339,7 +514,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     n_tok = cutlass.min(cutlass.max(tokens, 0), v.capacity)
     cur = v1._ld(wsb + abi.HEADER["epoch"]) + 1
     par = cur & 1
-    counters = wsb + ws.counters + Int64(par) * (abi.counter_words(v.experts, v.capacity, v.shared) * v1.WORD_BYTES)
+    counters = wsb + ws.counters + Int64(par) * (abi.counter_words(v.experts, v.capacity, v.shared, v.ranks) *
+                                                 v1.WORD_BYTES)
     c_bits = v1._bf16_rne(v1._float_bits(clamp)) << v1.BF16_SHIFT
     grid32 = Int32(grid)
     warp = tid // 32
@@ -352,6 +528,14 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       val = v1._ld_nc_bf16(x.toint() + (Int64(t) * v.hidden + b * v1.K32 + lane) * v1.BF16_BYTES)
       self._quantize_lane(val, lane, wsb + ws.xplanes + Int64(q) * BLOCK_BYTES, wsb + ws.xexp + Int64(q) * 4,
                           wsb + ws.xflag + Int64(t) * 4, wsb + ws.xsf + Int64(q), cur)
+    if cutlass.const_expr(self.fused):
+      # This call's routes and T for the peers' role 1, by parity (a peer may still read the previous call's).
+      pub = Int64(par) * (v.capacity * v.top_k)
+      for a in range(bid * THREADS + tid, n_tok * v.top_k, grid32 * THREADS):
+        v1._st(wsb + ws.pub_ids + (pub + a) * 4, v1._ld_nc(ids.toint() + Int64(a) * 4))
+        v1._st(wsb + ws.pub_rw + (pub + a) * 4, v1._ld_nc(route_weights.toint() + Int64(a) * 4))
+      if (bid == 0) & (tid == 0):
+        v1._st(wsb + ws.pub_tokens + Int64(par) * 4, n_tok)
     cute.arch.sync_threads()
     if tid == 0:
       cute.arch.fence_acq_rel_gpu()
@@ -361,6 +545,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     ok = Int32(1)
     if tid == 0:
       ok = self._wait_geq(counters + v.experts * v1.WORD_BYTES, grid32, wsb, cur, bid, abi.WAIT_XQ)
+      if cutlass.const_expr(self.fused):
+        if (bid == 0) & (ok != 0):  # every CTA's x and routes are in: the peers may read them
+          _fence_sys()
+          _st_release_sys(wsb + abi.HEADER["x_ready"], cur)
     ok = 1 - _bar_or(ok == 0)
     if ok != 0:
       for e in range(tid, v.experts, THREADS):
@@ -521,26 +709,31 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     return failed
 
   @cute.jit
-  def _wait_geq(self, addr: Int64, target: Int32, wsb: Int64, cur: Int32, bid: Int32, what: Int32) -> Int32:
+  def _wait_geq(self, addr: Int64, target: Int32, wsb: Int64, cur: Int32, bid: Int32, what: Int32,
+                role: cutlass.Constexpr = 2, scope: cutlass.Constexpr = "gpu") -> Int32:
     """One thread: bounded acquire-spin until the counter at ``addr`` reaches ``target``; 1 if it did, else 0
-    (a timeout is recorded with counter ``what``; another CTA's fault ends the wait too)."""
+    (a timeout is recorded as ``role`` with counter ``what``; another CTA's fault ends the wait too). ``scope``
+    "sys": a counter or flag a peer (maybe another GPU) writes."""
     flag = v1._gptr(wsb + abi.HEADER["error_flag"])
     timeout = v1._ld(wsb + abi.HEADER["timeout_ns"], cutlass.Uint64)
     start = cute.arch.globaltimer()
-    seen = cute.arch.load(v1._gptr(addr), Int32, sem="acquire", scope="gpu")
+    seen = cute.arch.load(v1._gptr(addr), Int32, sem="acquire", scope=scope)
     fault = cute.arch.load(flag, Int32, sem="relaxed", scope="gpu")
     elapsed = cutlass.Uint64(0)
     while (seen < target) & (fault == 0) & (elapsed <= timeout):
       cute.arch.inline_ptx("nanosleep.u32 {$r0};", read_only_args=[Int32(v1.SPIN_SLEEP_NS)])
-      seen = cute.arch.load(v1._gptr(addr), Int32, sem="acquire", scope="gpu")
+      seen = cute.arch.load(v1._gptr(addr), Int32, sem="acquire", scope=scope)
       fault = cute.arch.load(flag, Int32, sem="relaxed", scope="gpu")
       elapsed = cutlass.Uint64(cute.arch.globaltimer() - start)
     ok = Int32(0)
     if seen >= target:
       ok = Int32(1)
-      cute.arch.fence_acq_rel_gpu()
+      if cutlass.const_expr(scope == "sys"):
+        _fence_sys()
+      else:
+        cute.arch.fence_acq_rel_gpu()
     elif fault == 0:
-      v1._record_fault(wsb, 2, bid, cur, what, seen)
+      v1._record_fault(wsb, role, bid, cur, what, seen)
     return ok
 
   @cute.jit
@@ -610,13 +803,16 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     n_rows = v.hidden if cutlass.const_expr(g2) else 2 * v.intermediate  # N of the weight tensor
     kb_n = (v.intermediate if cutlass.const_expr(g2) else v.hidden) // v1.K128
     nblk = self.nblk_i if cutlass.const_expr(g2) else self.nblk_h
-    planes = wsb + (ws.aplanes if cutlass.const_expr(g2) else ws.xplanes)
+    # GEMM1's B rows: x quantized by phase 0, or with the fused transport the rows role 1 received.
+    x_planes, x_exp, x_sf, x_flag = ((ws.rxplanes, ws.rxexp, ws.rxsf, ws.rxflag) if self.fused else
+                                     (ws.xplanes, ws.xexp, ws.xsf, ws.xflag))
+    planes = wsb + (ws.aplanes if cutlass.const_expr(g2) else x_planes)
     # Per-block scale data staged with the B operand: exponent words (sm_90a) or UE8M0 bytes (sm_120a).
     if cutlass.const_expr(self.qmma):
-      exps = wsb + (ws.asf if cutlass.const_expr(g2) else ws.xsf)
+      exps = wsb + (ws.asf if cutlass.const_expr(g2) else x_sf)
     else:
-      exps = wsb + (ws.aexp if cutlass.const_expr(g2) else ws.xexp)
-    flags = wsb + (ws.aflag if cutlass.const_expr(g2) else ws.xflag)
+      exps = wsb + (ws.aexp if cutlass.const_expr(g2) else x_exp)
+    flags = wsb + (ws.aflag if cutlass.const_expr(g2) else x_flag)
     st_bytes = stage_bytes(nt, self.token_stride)
     n_st = stages(nt, self.pipe_bytes, self.token_stride)
     pw_e = pw + Int64(e) * (kb_n * n_rows * v1.FP4_TILE_BYTES)
@@ -632,11 +828,14 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       asg = Int32(-1)
       rw = Int32(0)
       if n < count:
-        asg = _ld_gpu(wsb + ws.rows + (Int64(e) * (v.capacity * v.top_k) + n) * v1.WORD_BYTES)
+        asg = _ld_gpu(wsb + ws.rows + (Int64(e) * (self.rcap * v.top_k) + n) * v1.WORD_BYTES)
         src = asg
         if cutlass.const_expr(not g2):
           src = asg // v.top_k
-          rw = v1._ld_nc(rwb + Int64(asg) * v1.WORD_BYTES)
+          if cutlass.const_expr(self.fused):  # role 1 gathered the received routes' weights
+            rw = _ld_gpu(wsb + ws.grw + Int64(asg) * v1.WORD_BYTES)
+          else:
+            rw = v1._ld_nc(rwb + Int64(asg) * v1.WORD_BYTES)
         if cutlass.const_expr(not self.qmma):  # the sm_120a seam has no slow path
           slow_row = cutlass.select_(_ld_gpu(flags + Int64(src) * 4) == cur, Int32(1), Int32(0))
       _sts(ctl + CTL_SLOT_SRC + tid * 4, src)
@@ -680,7 +879,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     cute.arch.sync_threads()  # the pipeline area is free: the epilogue reuses it
 
     # ---- epilogue ---------------------------------------------------------------------------------------------
-    if cutlass.const_expr(g2):
+    if cutlass.const_expr(g2 and self.fused):
+      self._return_rows(nt, n0, count, row0, acc, wsb, cur, ctl)
+    elif cutlass.const_expr(g2):
       out = wsb + ws.arena
       for i in cutlass.range_constexpr(nt):
         for c in cutlass.range_constexpr(4):
@@ -716,6 +917,58 @@ class RoleKernelsV2(v1.RoleKernelsV1):
           self._quantize_lane(val, lane, wsb + ws.aplanes + blk * BLOCK_BYTES, wsb + ws.aexp + blk * 4,
                               wsb + ws.aflag + Int64(asg) * 4, wsb + ws.asf + blk, cur)
     cute.arch.sync_threads()  # the slot table and the pipeline area are rewritten by the next chunk
+
+  @cute.jit
+  def _return_rows(self, nt: cutlass.Constexpr, n0: Int32, count: Int32, row0: Int32, acc: cute.Tensor, wsb: Int64,
+                   cur: Int32, ctl: Int32):
+    """The fused transport's direct return path (paper §4.6): each GEMM2 output row goes straight into its owner's
+    ``arena`` (global assignment g k + j of rank p = row p C k + t k + j there), then one release-add per owner
+    counts this pass's rows into the owner's returns counter."""
+    v, ws = self.v, self.ws
+    tid, _, _ = cute.arch.thread_idx()
+    warp, lane, g, t4 = _lanes()
+    per_rank = v.capacity * v.top_k
+    for i in cutlass.range_constexpr(nt):
+      for c in cutlass.range_constexpr(4):
+        slot = 8 * i + 2 * t4 + c % 2
+        if n0 + slot < count:
+          asg = _lds(ctl + CTL_SLOT_ASG + slot * 4)
+          p = asg // per_rank
+          h = row0 + 16 * warp + g + 8 * (c // 2)
+          out = _peer(wsb, p) + ws.arena + (Int64(asg - p * per_rank) * v.hidden + h) * v1.BF16_BYTES
+          v1._st_bf16(out, v1._bf16_rne(acc[4 * i + c]))
+    _fence_sys()
+    cute.arch.sync_threads()
+    if tid < v.ranks:
+      n = Int32(0)
+      for slot in range(cutlass.min(count - n0, Int32(8 * nt))):
+        if _lds(ctl + CTL_SLOT_ASG + slot * 4) // per_rank == tid:
+          n = n + 1
+      if n > 0:
+        words = abi.counter_words(v.experts, v.capacity, v.shared, v.ranks)
+        _, returns = abi.fused_counters(v.experts, v.capacity, v.shared)
+        _red_release_sys(_peer(wsb, tid) + ws.counters + (Int64(cur & 1) * words + returns) * v1.WORD_BYTES, n)
+
+  @cute.jit
+  def _await_returns(self, wsb: Int64, idb: Int64, n_tok: Int32, bid: Int32):
+    """Role 3 of the fused transport: waits (bounded) until every GEMM2 row of this rank's valid routes came back
+    (H / 128 per route, from whichever rank computed it); a timeout is recorded as role `abi.ROLE_TRANSPORT`."""
+    v = self.v
+    tid, _, _ = cute.arch.thread_idx()
+    if tid < 32:
+      n = Int32(0)
+      for a in range(tid, n_tok * v.top_k, 32):
+        gid = v1._ld_nc(idb + Int64(a) * v1.WORD_BYTES)
+        n = n + cutlass.select_((gid >= 0) & (gid < v.experts * v.ranks), Int32(1), Int32(0))
+      for off in cutlass.range_constexpr(5):
+        n = n + _shfl_xor(n, 1 << off)
+      if tid == 0:
+        cur = v1._ld(wsb + abi.HEADER["epoch"]) + 1
+        words = abi.counter_words(v.experts, v.capacity, v.shared, v.ranks)
+        _, returns = abi.fused_counters(v.experts, v.capacity, v.shared)
+        addr = wsb + self.ws.counters + (Int64(cur & 1) * words + returns) * v1.WORD_BYTES
+        self._wait_geq(addr, n * self.j2, wsb, cur, bid, Int32(abi.WAIT_RETURNS), abi.ROLE_TRANSPORT, "sys")
+    cute.arch.sync_threads()
 
   @cute.jit
   def _stage(self, fast: cutlass.Constexpr, nt: cutlass.Constexpr, sb: Int32, scw, acc: cute.Tensor):
@@ -828,3 +1081,5 @@ class RoleKernelsV2(v1.RoleKernelsV1):
 
 
 RoleKernelsV2.role2_tc.set_name_prefix("gcmoe_role2_compute_v2", remove_cutlass_symbol=True, keep_mangled_name=False)
+RoleKernelsV2.role1_fused.set_name_prefix("gcmoe_role1_dispatch_fused", remove_cutlass_symbol=True,
+                                          keep_mangled_name=False)

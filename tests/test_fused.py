@@ -1,0 +1,135 @@
+"""The fused expert-parallel transport on one GPU with virtual ranks (issue 9, docs/fused_transport.md). Marked `gpu`.
+
+R ranks, each with its own green-context pair of the GPU and its own workspace, run their three-role graphs at once;
+role 1 pulls the rows its experts need from the peers' workspaces and role 2 returns every GEMM2 row into its
+owner's. Every rank's output must equal the single-device oracle on the global inputs, bit for bit (each row's
+math is the local operator's). Cubins: `python -m gcmoe_jax build-kernels --preset fused` (docs/kernels.md).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gcmoe_jax as gm
+from conftest import SMALL, quantized
+from gcmoe_jax import ffi, geometry, reference
+from gcmoe_jax.bench import accuracy
+from gcmoe_jax.bench.problems import CASE_FAMILIES, family_shape, make_problem
+
+pytestmark = pytest.mark.gpu
+
+emulated = jax.jit(reference.moe_emulated, static_argnames=("clamp",))
+CAPACITY = 16  # tokens per rank of the `fused` preset's variants
+
+
+@pytest.fixture(autouse=True)
+def _gpu():
+  if jax.default_backend() != "gpu":
+    pytest.skip("needs a CUDA GPU (the default device is not one)")
+  if not gm.api.backend_support()["cuda"].ok:
+    pytest.skip(gm.api.backend_support()["cuda"].reason)
+
+
+def _split(a, tokens):
+  return np.split(np.asarray(a), np.cumsum(tokens)[:-1]) if len(tokens) > 1 else [np.asarray(a)]
+
+
+def _case(family, ranks, tokens=None, *, base=SMALL, shared=None, seed=0):
+  """(problem arrays, per-rank token counts): the family over E = 8 (or ``base``'s) global experts."""
+  tokens = [6] * ranks if tokens is None else tokens
+  shape = dataclasses.replace(base, tokens=sum(tokens), shared_intermediate=shared)
+  if family_shape(family, shape).tokens == 0:
+    tokens = [0] * ranks
+  x, w, r = quantized(make_problem(family, shape, seed=seed))
+  return x, w, r, tokens
+
+
+def _check(name, ys, want, tokens):
+  for rank, (y, wr) in enumerate(zip(ys, _split(want, tokens))):
+    y, wr = np.asarray(y, np.float32), np.asarray(wr, np.float32)
+    assert y.shape == wr.shape, f"{name} rank {rank}: shape {y.shape} != {wr.shape}"
+    exact = float(np.mean(y.view(np.uint32) == wr.view(np.uint32))) if y.size else 1.0
+    cos = accuracy.cosine(y, wr) if y.size and np.any(wr) else 1.0
+    print(f"\n  {name} rank {rank} (T = {tokens[rank]}): cosine {cos:.9f}, bit-exact share {exact:.6f}")
+    np.testing.assert_array_equal(y.view(np.uint16), wr.view(np.uint16), err_msg=f"{name} rank {rank}")
+
+
+def _run(x, w, r, tokens, ranks, clamp=10.0, **kw):
+  with ffi.VirtualRanks(w, top_k=r.ids.shape[1], ranks=ranks, capacity=CAPACITY, tokens=tokens, clamp=clamp,
+                        **kw) as vr:
+    print(f"\n  partitions (dispatch, compute) per rank: {vr.partition.tolist()}")
+    return vr(_split(x, tokens), _split(r.ids, tokens), _split(r.weights, tokens))
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("family", CASE_FAMILIES)
+def test_every_case_family_on_virtual_ranks_equals_the_oracle(family, ranks):
+  x, w, r, tokens = _case(family, ranks, seed=ranks)
+  ys = _run(x, w, r, tokens, ranks)
+  _check(f"{family} R={ranks}", ys, emulated(x, w, r.ids, r.weights, clamp=10.0), tokens)
+
+
+@pytest.mark.parametrize("tokens", [[0, 7], [5, 0, 3, 0]], ids=["R2", "R4"])
+def test_ranks_with_zero_tokens_still_take_part(tokens):
+  """A rank with no tokens publishes an empty call and still computes its experts' rows for the others."""
+  x, w, r, tokens = _case("default", len(tokens), tokens, seed=7)
+  ys = _run(x, w, r, tokens, len(tokens), clamp=None)
+  _check(f"tokens {tokens}", ys, emulated(x, w, r.ids, r.weights, clamp=None), tokens)
+
+
+def test_shared_expert_on_virtual_ranks():
+  x, w, r, tokens = _case("zipf", 2, [9, 4], shared=256, seed=3)
+  ys = _run(x, w, r, tokens, 2)
+  _check("shared R=2", ys, emulated(x, w, r.ids, r.weights, clamp=10.0), tokens)
+
+
+@pytest.mark.parametrize("model", sorted(geometry.MODELS))
+def test_paper_models_scaled_to_two_virtual_ranks(model):
+  """Each rank holds the paper's per-rank expert count (L = E / 8), so the layer has 2 L experts; B = 16 per rank."""
+  m = geometry.MODELS[model]
+  base = dataclasses.replace(SMALL, experts=2 * (m.E // 8), hidden=m.H, intermediate=m.I, top_k=m.k)
+  x, w, r, tokens = _case("default", 2, [16, 16], base=base, seed=5)
+  ys = _run(x, w, r, tokens, 2)
+  _check(f"{model} R=2", ys, emulated(x, w, r.ids, r.weights, clamp=10.0), tokens)
+
+
+def test_1000_replays_with_fresh_inputs_stay_exact():
+  """No reset between steps: epochs and the parity-double-buffered counters and publications carry the ranks from
+  one step to the next; every 100th step is compared with the oracle."""
+  ranks, tokens = 2, [6, 6]
+  x, w, r, _ = _case("default", ranks, tokens, seed=11)
+  key = jax.random.key(0)
+  checked = 0
+  with ffi.VirtualRanks(w, top_k=4, ranks=ranks, capacity=CAPACITY, tokens=tokens, clamp=10.0) as vr:
+    for step in range(1000):
+      kx, ki, kw, key = jax.random.split(key, 4)
+      xs = jax.random.normal(kx, (sum(tokens), w.hidden), jnp.float32).astype(jnp.bfloat16)
+      ids = jnp.argsort(jax.random.uniform(ki, (sum(tokens), w.num_experts)), axis=1)[:, :4].astype(jnp.int32)
+      wt = jax.nn.softmax(jax.random.normal(kw, (sum(tokens), 4)), axis=1)
+      ys = vr(_split(xs, tokens), _split(ids, tokens), _split(wt, tokens))
+      if step % 100 == 99:
+        want = _split(emulated(xs, w, ids, wt, clamp=10.0), tokens)
+        for y, wr in zip(ys, want):
+          np.testing.assert_array_equal(np.asarray(y).view(np.uint16), wr.view(np.uint16), err_msg=f"step {step}")
+        checked += 1
+  print(f"\n  1000 replays of R = {ranks}: {checked} checked bit-exact")
+
+
+def test_a_stalled_rank_makes_the_others_raise_and_the_next_call_recovers(monkeypatch):
+  """Rank 1 withholds one of its experts: its role 2 and every owner waiting for that expert's rows time out,
+  and the run raises naming the ranks and the waits; with the stall lifted the next call is exact again."""
+  monkeypatch.setenv("GCMOE_WAIT_TIMEOUT_MS", "200")
+  ranks, tokens = 2, [6, 6]
+  x, w, r, _ = _case("k_max", ranks, tokens, seed=13)  # k = E: every token routes to every expert
+  xs, ids, wt = _split(x, tokens), _split(r.ids, tokens), _split(r.weights, tokens)
+  with ffi.VirtualRanks(w, top_k=r.ids.shape[1], ranks=ranks, capacity=CAPACITY, tokens=tokens, clamp=10.0) as vr:
+    vr.stall(1, 0)
+    with pytest.raises(RuntimeError, match="fused transport waited for the peers to return") as info:
+      vr(xs, ids, wt)
+    print(f"\n  stalled rank 1: {info.value}")
+    vr.stall(1, -1)
+    ys = vr(xs, ids, wt)
+  _check("after the stall", ys, emulated(x, w, r.ids, r.weights, clamp=10.0), tokens)
