@@ -18,6 +18,7 @@ from conftest import SMALL, quantized
 from gcmoe_jax import ffi, geometry, reference
 from gcmoe_jax.bench import accuracy
 from gcmoe_jax.bench.problems import CASE_FAMILIES, family_shape, make_problem
+from gcmoe_jax.kernels import abi
 
 pytestmark = pytest.mark.gpu
 
@@ -64,12 +65,17 @@ def _run(x, w, r, tokens, ranks, clamp=10.0, **kw):
     return vr(_split(x, tokens), _split(r.ids, tokens), _split(r.weights, tokens))
 
 
+@pytest.mark.parametrize("relay", [False, True], ids=["direct", "relay"])
 @pytest.mark.parametrize("ranks", [2, 4])
 @pytest.mark.parametrize("family", CASE_FAMILIES)
-def test_every_case_family_on_virtual_ranks_equals_the_oracle(family, ranks):
+def test_every_case_family_on_virtual_ranks_equals_the_oracle(family, ranks, relay):
+  """Both return paths; the pull cache is on where k >= R (k = 4, 8) and off where k < R (k = 1: the first- and
+  last-expert families), `abi.pull_cache`."""
   x, w, r, tokens = _case(family, ranks, seed=ranks)
-  ys = _run(x, w, r, tokens, ranks)
-  _check(f"{family} R={ranks}", ys, emulated(x, w, r.ids, r.weights, clamp=10.0), tokens)
+  ys = _run(x, w, r, tokens, ranks, relay=relay)
+  cache = "on" if abi.pull_cache(r.ids.shape[1], ranks) else "off"
+  _check(f"{family} R={ranks} {'relay' if relay else 'direct'} pull cache {cache}", ys,
+         emulated(x, w, r.ids, r.weights, clamp=10.0), tokens)
 
 
 @pytest.mark.parametrize("tokens", [[0, 7], [5, 0, 3, 0]], ids=["R2", "R4"])
@@ -86,14 +92,15 @@ def test_shared_expert_on_virtual_ranks():
   _check("shared R=2", ys, emulated(x, w, r.ids, r.weights, clamp=10.0), tokens)
 
 
+@pytest.mark.parametrize("relay", [False, True], ids=["direct", "relay"])
 @pytest.mark.parametrize("model", sorted(geometry.MODELS))
-def test_paper_models_scaled_to_two_virtual_ranks(model):
+def test_paper_models_scaled_to_two_virtual_ranks(model, relay):
   """Each rank holds the paper's per-rank expert count (L = E / 8), so the layer has 2 L experts; B = 16 per rank."""
   m = geometry.MODELS[model]
   base = dataclasses.replace(SMALL, experts=2 * (m.E // 8), hidden=m.H, intermediate=m.I, top_k=m.k)
   x, w, r, tokens = _case("default", 2, [16, 16], base=base, seed=5)
-  ys = _run(x, w, r, tokens, 2)
-  _check(f"{model} R=2", ys, emulated(x, w, r.ids, r.weights, clamp=10.0), tokens)
+  ys = _run(x, w, r, tokens, 2, relay=relay)
+  _check(f"{model} R=2 {'relay' if relay else 'direct'}", ys, emulated(x, w, r.ids, r.weights, clamp=10.0), tokens)
 
 
 def test_1000_replays_with_fresh_inputs_stay_exact():
@@ -118,14 +125,16 @@ def test_1000_replays_with_fresh_inputs_stay_exact():
   print(f"\n  1000 replays of R = {ranks}: {checked} checked bit-exact")
 
 
-def test_a_stalled_rank_makes_the_others_raise_and_the_next_call_recovers(monkeypatch):
+@pytest.mark.parametrize("relay", [False, True], ids=["direct", "relay"])
+def test_a_stalled_rank_makes_the_others_raise_and_the_next_call_recovers(monkeypatch, relay):
   """Rank 1 withholds one of its experts: its role 2 and every owner waiting for that expert's rows time out,
   and the run raises naming the ranks and the waits; with the stall lifted the next call is exact again."""
   monkeypatch.setenv("GCMOE_WAIT_TIMEOUT_MS", "200")
   ranks, tokens = 2, [6, 6]
   x, w, r, _ = _case("k_max", ranks, tokens, seed=13)  # k = E: every token routes to every expert
   xs, ids, wt = _split(x, tokens), _split(r.ids, tokens), _split(r.weights, tokens)
-  with ffi.VirtualRanks(w, top_k=r.ids.shape[1], ranks=ranks, capacity=CAPACITY, tokens=tokens, clamp=10.0) as vr:
+  with ffi.VirtualRanks(w, top_k=r.ids.shape[1], ranks=ranks, capacity=CAPACITY, tokens=tokens, clamp=10.0,
+                        relay=relay) as vr:
     vr.stall(1, 0)
     with pytest.raises(RuntimeError, match="fused transport waited for the peers to return") as info:
       vr(xs, ids, wt)

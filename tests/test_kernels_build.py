@@ -263,6 +263,8 @@ def test_variant_parse_and_key():
   fused = Variant.parse("512,256,4,4,16,r2")
   assert fused.ranks == 2 and fused.key == "h512_i256_e4_k4_t16_r2" and not fused.shared
   assert Variant.parse("512,256,4,4,16,256,128,r4").key == "h512_i256_e4_k4_t16_s256g128_r4"
+  relay = Variant.parse("512,256,4,4,16,r2relay")
+  assert relay.relay and relay.ranks == 2 and relay.key == "h512_i256_e4_k4_t16_r2relay"
 
 
 def test_fused_workspace_holds_every_ranks_rows_and_leaves_the_local_layout_alone():
@@ -279,6 +281,14 @@ def test_fused_workspace_holds_every_ranks_rows_and_leaves_the_local_layout_alon
   assert abi.counter_words(4, 16, False, 2) == abi.counter_words(4, 16, False) + 2
   assert abi.fused_counters(4, 16, False) == (5, 6)
   assert abi.HEADER["peers"] + 8 * abi.MAX_RANKS <= abi.HEADER_BYTES
+  # Without the pull cache (k < R) every route gets its own received row; the relay path parks R C k rows.
+  no_cache = Variant(512, 256, 4, 1, 16, ranks=2).workspace("v2")
+  assert no_cache.rxexp - no_cache.rxplanes == fused.rxexp - fused.rxplanes  # k = 1: one row per route = per token
+  k8 = Variant(512, 256, 4, 8, 16, ranks=16).workspace("v2")
+  assert not abi.pull_cache(8, 16) and k8.rxexp - k8.rxplanes == 16 * 16 * 8 * (512 // 32) * abi.PLANES * 32
+  relay = Variant(512, 256, 4, 4, 16, ranks=2, relay=True).workspace("v2")
+  assert relay.total - relay.relay_arena >= 2 * 16 * 2 * 4 * 512 and fused.relay_arena == fused.total
+  assert abi.counter_words(4, 16, False, 2, True) == abi.counter_words(4, 16, False, 2) + 4
 
 
 @needs_dsl
@@ -316,6 +326,7 @@ def test_an_ablation_build_has_its_own_cubin_key(monkeypatch):
   ("512,256,8,4,16,r0", "ranks must be an int in"),
   ("512,256,8,4,16,r17", "ranks must be an int in"),
   ("512,256,8,4,16,rx", "ints"),
+  ("512,256,8,4,16,r1relay", "relay must be a bool and needs ranks > 1"),
 ])
 def test_variant_rejects(text, match):
   with pytest.raises(ValueError, match=match):

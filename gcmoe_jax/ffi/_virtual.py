@@ -56,6 +56,7 @@ class VirtualRanks:
     capacity: tokens one rank may hold (sizes the variant and its workspaces).
     tokens: T of each rank (0 allowed: the rank still takes part).
     clamp: the SwiGLU clamp, or None.
+    relay: the relay return path (copier CTAs; paper §4.6) instead of the direct one.
     dispatch_sms: the dispatch SMs requested per rank (default: the device's).
     min_compute_sms: the smallest compute partition accepted per rank.
     device: the CUDA device ordinal.
@@ -66,7 +67,7 @@ class VirtualRanks:
   """
 
   def __init__(self, w: ExpertWeights, *, top_k: int, ranks: int, capacity: int, tokens: Sequence[int],
-               clamp: float | None = None, dispatch_sms: int | None = None,
+               clamp: float | None = None, relay: bool = False, dispatch_sms: int | None = None,
                min_compute_sms: int = MIN_COMPUTE_SMS, device: int = 0):
     self._handle = None
     if not isinstance(w, ExpertWeights):
@@ -88,7 +89,8 @@ class VirtualRanks:
     shared = w.shared
     local = e // ranks
     self.variant = build.Variant(w.hidden, w.intermediate, local, top_k, capacity,
-                                 shared.intermediate if shared else None, shared.group if shared else None, ranks)
+                                 shared.intermediate if shared else None, shared.group if shared else None, ranks,
+                                 bool(relay))
     built = build.load_or_build(arch, self.variant)
     ws = self.variant.workspace()
     timeout_ns = int(_config.get("GCMOE_WAIT_TIMEOUT_MS")) * 1_000_000

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["HEADER", "PARAMS", "Workspace", "counter_words", "fused_counters", "workspace_layout", "SILU_TABLE_ENTRIES"]
+__all__ = ["HEADER", "PARAMS", "Workspace", "counter_words", "fused_counters", "pull_cache", "relay_counters",
+           "workspace_layout", "SILU_TABLE_ENTRIES"]
 
 # Kernel parameter names, in order: 13 pointers, then T (int32) and clamp (float32).
 PARAMS = ("x", "ids", "route_weights", "w13", "w13_scale", "w2", "w2_scale", "s13", "s13_scale", "s2", "s2_scale",
@@ -62,6 +63,7 @@ WAIT_READY, WAIT_GEMM1, WAIT_XQ, WAIT_SHARED = 0, 0x10000, 0x20000, 0x30000
 # Waits of the fused transport: a peer's published call (+ the peer's rank; role 1), every CTA's received rows
 # (role 1), and this rank's returned rows (role 3).
 WAIT_PEER, WAIT_RECEIVED, WAIT_RETURNS = 0x40000, 0x50000, 0x60000
+WAIT_RELAY = 0x70000  # a relay copier (role 2) waited for experts' GEMM2 items (observed: experts left)
 ROLE_TRANSPORT = 4  # error_role of a fused-transport wait that expired (error_counter: one of the three above)
 SILU_TABLE_ENTRIES = 1 << 16  # float32 silu(g) per BF16 bit pattern (reference.silu_table)
 ALIGN = 256
@@ -113,21 +115,35 @@ class Workspace:
   pub_ids: int  # i32 [2, capacity * k]
   pub_rw: int  # f32 [2, capacity * k]
   pub_tokens: int  # i32 [2]
-  rxplanes: int  # int8 [R capacity, H / 32, 3, 32]
+  rxplanes: int  # int8 [R capacity (x k without the pull cache), H / 32, 3, 32]
   rxexp: int  # i32 [R capacity, H / 32]
   rxflag: int  # u32 [R capacity]
   rxsf: int  # u8 [R capacity, H / 32]
   grw: int  # f32 [R capacity * k]: route weight of each received assignment
+  # The relay return path: GEMM2 rows parked position-major (global assignment g k + j) for the copier CTAs.
+  relay_arena: int  # bf16 [R capacity * k, H]
   total: int  # bytes
 
   def as_attrs(self) -> dict[str, int]:
     return {f"ws_{f.name}": getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
-def counter_words(experts: int, capacity: int, shared: bool, ranks: int = 1) -> int:
+def counter_words(experts: int, capacity: int, shared: bool, ranks: int = 1, relay: bool = False) -> int:
   """Words of one parity of the v2 ``counters`` section: E experts, the x-quantization count, with a shared
-  expert one per token, and with R > 1 ranks two more (`fused_counters`)."""
-  return experts + 1 + (capacity if shared else 0) + (2 if ranks > 1 else 0)
+  expert one per token, with R > 1 ranks two more (`fused_counters`), and on the relay return path one per
+  expert (its GEMM2 items done, `relay_counters`)."""
+  return experts + 1 + (capacity if shared else 0) + (2 if ranks > 1 else 0) + (experts if relay else 0)
+
+
+def relay_counters(experts: int, capacity: int, shared: bool) -> int:
+  """Word index, in one parity of ``counters``, of expert 0's count of GEMM2 items done (the relay path)."""
+  return experts + 1 + (capacity if shared else 0) + 2
+
+
+def pull_cache(top_k: int, ranks: int) -> bool:
+  """Whether role 1 pulls a token's row once per (rank, token) (the paper's pull cache: k >= R, where a token
+  usually reaches several experts of one rank) or once per route (k < R)."""
+  return top_k >= ranks
 
 
 def fused_counters(experts: int, capacity: int, shared: bool) -> tuple[int, int]:
@@ -139,7 +155,8 @@ def fused_counters(experts: int, capacity: int, shared: bool) -> tuple[int, int]
 
 
 def workspace_layout(experts: int, capacity: int, top_k: int, hidden: int, shared: bool,
-                     intermediate: int = 0, shared_intermediate: int = 0, ranks: int = 1) -> Workspace:
+                     intermediate: int = 0, shared_intermediate: int = 0, ranks: int = 1,
+                     relay: bool = False) -> Workspace:
   """The workspace layout of a variant: sections in a fixed order, each 256-byte aligned.
 
   ``intermediate`` (I) sizes the v2 sections; 0 leaves them empty (the v1 kernels do not use them).
@@ -152,7 +169,9 @@ def workspace_layout(experts: int, capacity: int, top_k: int, hidden: int, share
   sections = {}
   v2 = intermediate > 0
   fused = v2 and ranks > 1
-  rx = capacity * ranks if fused else 0  # received tokens
+  relay = relay and fused
+  # Received rows: one per (rank, token) with the pull cache, else one per (rank, token, slot).
+  rx = capacity * ranks * (1 if pull_cache(top_k, ranks) else top_k) if fused else 0
   rcap = capacity * ranks if fused else capacity  # tokens whose assignments the receive side holds
   block_bytes = PLANES * 32
   for name, size in (("silu_table", 4 * SILU_TABLE_ENTRIES), ("ready", 4 * experts), ("count", 4 * experts),
@@ -164,7 +183,7 @@ def workspace_layout(experts: int, capacity: int, top_k: int, hidden: int, share
                      ("aplanes", rcap * top_k * (intermediate // 32) * block_bytes if v2 else 0),
                      ("aexp", rcap * top_k * (intermediate // 32) * 4 if v2 else 0),
                      ("aflag", rcap * top_k * 4 if v2 else 0),
-                     ("counters", 2 * 4 * counter_words(experts, capacity, shared, ranks) if v2 else 0),
+                     ("counters", 2 * 4 * counter_words(experts, capacity, shared, ranks, relay) if v2 else 0),
                      ("xsf", capacity * (hidden // 32) if v2 else 0),
                      ("asf", rcap * top_k * (intermediate // 32) if v2 else 0),
                      ("sact", 4 * capacity * shared_intermediate if v2 and shared else 0),
@@ -177,7 +196,8 @@ def workspace_layout(experts: int, capacity: int, top_k: int, hidden: int, share
                      ("rxexp", rx * (hidden // 32) * 4),
                      ("rxflag", rx * 4),
                      ("rxsf", rx * (hidden // 32)),
-                     ("grw", 4 * rx * top_k)):
+                     ("grw", 4 * capacity * ranks * top_k if fused else 0),
+                     ("relay_arena", 2 * capacity * ranks * top_k * hidden if relay else 0)):
     sections[name] = off
     off = _align(off + size)
   return Workspace(total=off, **sections)

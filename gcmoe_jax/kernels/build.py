@@ -91,6 +91,8 @@ class Variant:
     ranks: R, the ranks of the fused expert-parallel transport (docs/fused_transport.md): 1 (the default) is the
       local operator; R > 1 builds kernels that pull rows from R - 1 peers and return their outputs (``experts``
       is then the local L, global ids in [0, L R), ``capacity`` the tokens of one rank).
+    relay: with R > 1, the relay return path (paper §4.6: GEMM2 rows parked in a local position-major arena,
+      copied to their owners by R copier CTAs of role 2) instead of the direct one.
   """
 
   hidden: int
@@ -101,6 +103,7 @@ class Variant:
   shared_intermediate: int | None = None
   shared_group: int | None = None
   ranks: int = 1
+  relay: bool = False
 
   def __post_init__(self):
     problems = []
@@ -114,6 +117,8 @@ class Variant:
         problems.append(f"{name} must be a positive int, got {v!r}")
     if not _is_int(self.ranks) or not 1 <= self.ranks <= abi.MAX_RANKS:
       problems.append(f"ranks must be an int in [1, {abi.MAX_RANKS}], got {self.ranks!r}")
+    if self.relay not in (False, True) or (self.relay and self.ranks < 2):
+      problems.append(f"relay must be a bool and needs ranks > 1, got relay={self.relay!r} with ranks={self.ranks!r}")
     if (self.shared_intermediate is None) != (self.shared_group is None):
       problems.append(f"shared_intermediate and shared_group must both be set or both be None, got "
                       f"{self.shared_intermediate!r} and {self.shared_group!r}")
@@ -128,12 +133,15 @@ class Variant:
 
   @classmethod
   def parse(cls, text: str) -> Variant:
-    """``"H,I,E,k,TCAP[,Is,group][,rR]"`` (the CLI's ``--variant``; ``rR``: R ranks of the fused transport)."""
+    """``"H,I,E,k,TCAP[,Is,group][,rR[relay]]"`` (the CLI's ``--variant``; ``rR``: R ranks of the fused transport,
+    ``rRrelay``: with the relay return path)."""
     parts = text.split(",")
-    ranks = 1
+    ranks, relay = 1, False
     try:
       if parts and parts[-1].startswith("r"):
-        ranks = int(parts.pop()[1:])
+        tail = parts.pop()[1:]
+        relay = tail.endswith("relay")
+        ranks = int(tail.removesuffix("relay"))
       values = [int(p) for p in parts]
     except ValueError:
       raise ValueError(f"Variant.parse: expected H,I,E,k,TCAP[,Is,group][,rR] (ints), got {text!r}") from None
@@ -142,7 +150,7 @@ class Variant:
                        f"optionally rR, got {text!r}")
     if len(values) == 5:
       values += [None, None]
-    return cls(*values, ranks)
+    return cls(*values, ranks, relay)
 
   @property
   def shared(self) -> bool:
@@ -153,14 +161,14 @@ class Variant:
     """A file-name-safe name, e.g. ``h512_i256_e8_k4_t16`` or ``h512_i256_e8_k4_t16_s256g128``."""
     k = f"h{self.hidden}_i{self.intermediate}_e{self.experts}_k{self.top_k}_t{self.capacity}"
     k += f"_s{self.shared_intermediate}g{self.shared_group}" if self.shared else ""
-    return k + (f"_r{self.ranks}" if self.ranks > 1 else "")
+    return k + (f"_r{self.ranks}" if self.ranks > 1 else "") + ("relay" if self.relay else "")
 
   def workspace(self, kernels: str | None = None) -> abi.Workspace:
     """The workspace layout the role kernels of generation ``kernels`` (default: `generation()`) index."""
     v2 = (kernels or generation()) == "v2"
     return abi.workspace_layout(self.experts, self.capacity, self.top_k, self.hidden, self.shared,
                                 self.intermediate if v2 else 0, (self.shared_intermediate or 0) if v2 else 0,
-                                self.ranks if v2 else 1)
+                                self.ranks if v2 else 1, self.relay and v2)
 
   def to_dict(self) -> dict[str, int | None]:
     return dataclasses.asdict(self)
@@ -559,4 +567,4 @@ def _variant_arg(v: Variant) -> str:
   fields = [v.hidden, v.intermediate, v.experts, v.top_k, v.capacity]
   if v.shared:
     fields += [v.shared_intermediate, v.shared_group]
-  return ",".join(str(f) for f in fields) + (f",r{v.ranks}" if v.ranks > 1 else "")
+  return ",".join(str(f) for f in fields) + (f",r{v.ranks}" if v.ranks > 1 else "") + ("relay" if v.relay else "")

@@ -729,7 +729,7 @@ class RoleKernelsV1:
         # done (graph edges), and the next call's cannot start before this kernel ends. (With the fused transport,
         # peers count into this rank's next parity only after its next call published: see `_await_returns`.)
         nxt = _ld(wsb + abi.HEADER["epoch"]) & 1
-        words = abi.counter_words(v.experts, v.capacity, v.shared, v.ranks)
+        words = abi.counter_words(v.experts, v.capacity, v.shared, v.ranks, v.relay)
         for i in range(tid, words, THREADS):
           _st(wsb + ws.counters + (Int64(nxt) * words + i) * WORD_BYTES, 0)
     for t in range(bid, n_tok, Int32(grid)):

@@ -337,6 +337,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # The fused transport (R > 1): the receive side holds the R C tokens of every rank (`abi.Workspace`), and role
     # 1 keeps one tag byte per global assignment in SMEM (the local expert it goes to, or 0xFF).
     self.fused = v.ranks > 1
+    self.relay = v.relay
+    self.cache = abi.pull_cache(v.top_k, v.ranks)  # rx rows per (rank, token), else per (rank, token, slot)
+    self.words = abi.counter_words(v.experts, v.capacity, v.shared, v.ranks, v.relay)
+    self.relay_base = abi.relay_counters(v.experts, v.capacity, v.shared)
     self.rcap = v.capacity * v.ranks
     self.tags = CTRL_BYTES // 8
     self.role1_smem = (self.tags + (self.rcap * v.top_k + 3) // 4 * 4 + 127) // 128 * 128 if self.fused else 0
@@ -423,7 +427,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     cur = v1._ld(wsb + abi.HEADER["epoch"]) + 1
     par = cur & 1
     lo = v1._ld(wsb + abi.HEADER["rank"]) * local
-    words = abi.counter_words(local, cap, v.shared, ranks)
+    words = self.words
     received, _ = abi.fused_counters(local, cap, v.shared)
     counter = wsb + ws.counters + (Int64(par) * words + received) * v1.WORD_BYTES
     pub = Int64(par) * (cap * k)
@@ -440,24 +444,28 @@ class RoleKernelsV2(v1.RoleKernelsV1):
                           "sys")
       _sts(smem + 16 + tid * 4, cutlass.select_(ok != 0, _ld_cg(pb + ws.pub_tokens + Int64(par) * 4), Int32(0)))
     ok = 1 - _bar_or(ok == 0)
+    # With the pull cache a warp takes a global token and pulls its row once if any of its k routes is local;
+    # without it (k < R) a warp takes a global route and pulls the row for that route alone.
+    per = 1 if self.cache else k
     if ok != 0:
-      for gt in range(bid * WARPS + warp, ranks * cap, Int32(grid) * WARPS):
+      for gr in range(bid * WARPS + warp, ranks * cap * per, Int32(grid) * WARPS):
+        gt = gr // per
         p = gt // cap
         t = gt - p * cap
         pb = _peer(wsb, p)
         hit = Int32(0)
-        if (lane < k) & (t < _lds(smem + 16 + p * 4)):
-          gid = _ld_cg(pb + ws.pub_ids + (pub + t * k + lane) * v1.WORD_BYTES)
+        if (lane < (k if self.cache else 1)) & (t < _lds(smem + 16 + p * 4)):
+          gid = _ld_cg(pb + ws.pub_ids + (pub + t * k + (lane if self.cache else gr - gt * k)) * v1.WORD_BYTES)
           hit = cutlass.select_((gid >= lo) & (gid < lo + local), Int32(1), Int32(0))
         if _warp_any(hit) != 0:
           for c in range(lane, row_bytes // 16, 32):
-            _copy16(wsb + ws.rxplanes + Int64(gt) * row_bytes + c * 16, pb + ws.xplanes + Int64(t) * row_bytes + c * 16)
+            _copy16(wsb + ws.rxplanes + Int64(gr) * row_bytes + c * 16, pb + ws.xplanes + Int64(t) * row_bytes + c * 16)
           for c in range(lane, self.nblk_h // 4, 32):
-            _copy16(wsb + ws.rxexp + (Int64(gt) * self.nblk_h + 4 * c) * 4,
+            _copy16(wsb + ws.rxexp + (Int64(gr) * self.nblk_h + 4 * c) * 4,
                     pb + ws.xexp + (Int64(t) * self.nblk_h + 4 * c) * 4)
-            v1._st(wsb + ws.rxsf + Int64(gt) * self.nblk_h + 4 * c, _ld_cg(pb + ws.xsf + Int64(t) * self.nblk_h + 4 * c))
+            v1._st(wsb + ws.rxsf + Int64(gr) * self.nblk_h + 4 * c, _ld_cg(pb + ws.xsf + Int64(t) * self.nblk_h + 4 * c))
           if lane == 0:
-            v1._st(wsb + ws.rxflag + Int64(gt) * 4, _ld_cg(pb + ws.xflag + Int64(t) * 4))
+            v1._st(wsb + ws.rxflag + Int64(gr) * 4, _ld_cg(pb + ws.xflag + Int64(t) * 4))
     cute.arch.sync_threads()
     if (tid == 0) & (ok != 0):  # a CTA whose wait failed never counts itself: block 0's wait then ends on the fault
       cute.arch.fence_acq_rel_gpu()
@@ -514,8 +522,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     n_tok = cutlass.min(cutlass.max(tokens, 0), v.capacity)
     cur = v1._ld(wsb + abi.HEADER["epoch"]) + 1
     par = cur & 1
-    counters = wsb + ws.counters + Int64(par) * (abi.counter_words(v.experts, v.capacity, v.shared, v.ranks) *
-                                                 v1.WORD_BYTES)
+    counters = wsb + ws.counters + Int64(par) * (self.words * v1.WORD_BYTES)
     c_bits = v1._bf16_rne(v1._float_bits(clamp)) << v1.BF16_SHIFT
     grid32 = Int32(grid)
     warp = tid // 32
@@ -584,7 +591,18 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       n_s2 = n_tok * self.n_hb
     n_items = cutlass.select_(ok != 0, n1 + n2 + n_s1 + n_s2, Int32(0))
     failed = Int32(0)
-    for item in range(bid, n_items, grid32):
+    first, step = bid, grid32
+    if cutlass.const_expr(self.relay):
+      # The relay return path: the first min(R, grid - 1) CTAs are copiers (paper eq. 13 with one reserved CTA),
+      # the others take the items.
+      n_relay = cutlass.min(Int32(v.ranks), grid32 - 1)
+      first = bid - n_relay
+      step = grid32 - n_relay
+      if bid < n_relay:
+        if ok != 0:
+          self._copier(bid, n_relay, n_hit, table, wsb, cur, bid, counters, pipe)
+        first = n_items  # a copier takes no item
+    for item in range(first, n_items, step):
       if failed == 0:
         it = item  # the routed item (GEMM1 tiles, then GEMM2 tiles)
         routed = item < n1 + n2
@@ -609,6 +627,11 @@ class RoleKernelsV2(v1.RoleKernelsV1):
             else:
               self._item(True, e, j, count, route_weights.toint(), w2.toint(), w2_scale.toint(), wsb, c_bits,
                          cur, ctl, pipe)
+              if cutlass.const_expr(self.relay):  # the copiers follow each expert's GEMM2 items done
+                cute.arch.sync_threads()
+                if tid == 0:
+                  cute.arch.fence_acq_rel_gpu()
+                  _red_release_add(counters + Int64(self.relay_base + e) * v1.WORD_BYTES, 1)
           else:
             self._item(False, e, j, count, route_weights.toint(), w13.toint(), w13_scale.toint(), wsb, c_bits,
                        cur, ctl, pipe)
@@ -831,7 +854,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         asg = _ld_gpu(wsb + ws.rows + (Int64(e) * (self.rcap * v.top_k) + n) * v1.WORD_BYTES)
         src = asg
         if cutlass.const_expr(not g2):
-          src = asg // v.top_k
+          if cutlass.const_expr(not self.fused or self.cache):
+            src = asg // v.top_k  # the token (local, or global with the pull cache): its row of x / rx
           if cutlass.const_expr(self.fused):  # role 1 gathered the received routes' weights
             rw = _ld_gpu(wsb + ws.grw + Int64(asg) * v1.WORD_BYTES)
           else:
@@ -879,10 +903,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     cute.arch.sync_threads()  # the pipeline area is free: the epilogue reuses it
 
     # ---- epilogue ---------------------------------------------------------------------------------------------
-    if cutlass.const_expr(g2 and self.fused):
+    if cutlass.const_expr(g2 and self.fused and not self.relay):
       self._return_rows(nt, n0, count, row0, acc, wsb, cur, ctl)
     elif cutlass.const_expr(g2):
-      out = wsb + ws.arena
+      out = wsb + (ws.relay_arena if self.relay else ws.arena)  # relay: parked position-major for the copiers
       for i in cutlass.range_constexpr(nt):
         for c in cutlass.range_constexpr(4):
           slot = 8 * i + 2 * t4 + c % 2
@@ -945,9 +969,80 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         if _lds(ctl + CTL_SLOT_ASG + slot * 4) // per_rank == tid:
           n = n + 1
       if n > 0:
-        words = abi.counter_words(v.experts, v.capacity, v.shared, v.ranks)
+        words = self.words
         _, returns = abi.fused_counters(v.experts, v.capacity, v.shared)
         _red_release_sys(_peer(wsb, tid) + ws.counters + (Int64(cur & 1) * words + returns) * v1.WORD_BYTES, n)
+
+  @cute.jit
+  def _copier(self, b: Int32, n_relay: Int32, n_hit: Int32, table: Int32, wsb: Int64, cur: Int32, bid: Int32,
+              counters: Int64, pipe: Int32):
+    """Relay copier CTA ``b`` (paper §4.6): for the ranks p = b (mod n_relay), copies their GEMM2 rows from this
+    rank's position-major ``relay_arena`` into their arenas, expert by expert as each expert's GEMM2 items complete
+    and in completion order (a slow expert does not hold up rows that are ready), then counts them into each
+    owner's returns counter (rows x H / 128, the direct path's unit). Bounded like every wait."""
+    v, ws = self.v, self.ws
+    tid, _, _ = cute.arch.thread_idx()
+    warp, lane, _, _ = _lanes()
+    per_rank = v.capacity * v.top_k
+    row_bytes = v.hidden * v1.BF16_BYTES
+    _, returns = abi.fused_counters(v.experts, v.capacity, v.shared)
+    done = pipe  # u32 per hit expert: copied
+    cnt = pipe + 4 * v.experts  # u32 per rank: rows of the current expert copied to it
+    word = cnt + 4 * abi.MAX_RANKS  # broadcast word
+    for h in range(tid, n_hit, THREADS):
+      _sts(done + h * 4, 0)
+    cute.arch.sync_threads()
+    timeout = v1._ld(wsb + abi.HEADER["timeout_ns"], cutlass.Uint64)
+    start = cute.arch.globaltimer()
+    left = n_hit
+    failed = Int32(0)
+    while (left > 0) & (failed == 0):
+      progressed = Int32(0)
+      for h in range(n_hit):
+        if _lds(done + h * 4) == 0:
+          e = _lds(table + (v.experts + h) * 4)
+          if tid == 0:
+            seen = cute.arch.load(v1._gptr(counters + Int64(self.relay_base + e) * v1.WORD_BYTES), Int32,
+                                  sem="acquire", scope="gpu")
+            _sts(word, cutlass.select_(seen >= self.j2, Int32(1), Int32(0)))
+          if tid < v.ranks:
+            _sts(cnt + tid * 4, 0)
+          cute.arch.sync_threads()
+          if _lds(word) != 0:
+            rows_e = wsb + ws.rows + Int64(e) * (self.rcap * v.top_k * v1.WORD_BYTES)
+            for i in range(warp, _lds(table + e * 4), WARPS):
+              asg = _ld_gpu(rows_e + Int64(i) * v1.WORD_BYTES)
+              p = asg // per_rank
+              if p - (p // n_relay) * n_relay == b:
+                dst = _peer(wsb, p) + ws.arena + Int64(asg - p * per_rank) * row_bytes
+                src = wsb + ws.relay_arena + Int64(asg) * row_bytes
+                for c in range(lane, row_bytes // 16, 32):
+                  _copy16(dst + c * 16, src + c * 16)
+                if lane == 0:
+                  cute.arch.inline_ptx("red.shared.add.u32 [{$r0}], 1;", read_only_args=[cnt + p * 4])
+            _fence_sys()
+            cute.arch.sync_threads()
+            if tid < v.ranks:
+              n = _lds(cnt + tid * 4)
+              if n > 0:
+                _red_release_sys(_peer(wsb, tid) + ws.counters + (Int64(cur & 1) * self.words + returns) *
+                                 v1.WORD_BYTES, n * self.j2)
+            if tid == 0:
+              _sts(done + h * 4, 1)
+            left = left - 1
+            progressed = Int32(1)
+          cute.arch.sync_threads()
+      if progressed == 0:
+        if tid == 0:
+          fault = cute.arch.load(v1._gptr(wsb + abi.HEADER["error_flag"]), Int32, sem="relaxed", scope="gpu")
+          expired = cutlass.Uint64(cute.arch.globaltimer() - start) > timeout
+          if expired & (fault == 0):
+            v1._record_fault(wsb, 2, bid, cur, Int32(abi.WAIT_RELAY), left)
+          _sts(word, cutlass.select_(expired | (fault != 0), Int32(1), Int32(0)))
+          cute.arch.inline_ptx("nanosleep.u32 {$r0};", read_only_args=[Int32(v1.SPIN_SLEEP_NS)])
+        cute.arch.sync_threads()
+        failed = _lds(word)
+        cute.arch.sync_threads()
 
   @cute.jit
   def _await_returns(self, wsb: Int64, idb: Int64, n_tok: Int32, bid: Int32):
@@ -964,7 +1059,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         n = n + _shfl_xor(n, 1 << off)
       if tid == 0:
         cur = v1._ld(wsb + abi.HEADER["epoch"]) + 1
-        words = abi.counter_words(v.experts, v.capacity, v.shared, v.ranks)
+        words = self.words
         _, returns = abi.fused_counters(v.experts, v.capacity, v.shared)
         addr = wsb + self.ws.counters + (Int64(cur & 1) * words + returns) * v1.WORD_BYTES
         self._wait_geq(addr, n * self.j2, wsb, cur, bid, Int32(abi.WAIT_RETURNS), abi.ROLE_TRANSPORT, "sys")
