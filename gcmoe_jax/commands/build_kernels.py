@@ -86,10 +86,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
   p.add_argument("--arch", default="sm_90a",
                  help="target architecture(s): sm_90a, sm_120a, sm_121a, or a comma list (default sm_90a)")
   p.add_argument("--out", required=True, type=pathlib.Path, help="output directory (a cubin cache; reused)")
-  p.add_argument("--variant", action="append", default=[], metavar="H,I,E,k,TCAP[,Is,group][,rR]",
+  p.add_argument("--variant", action="append", default=[], metavar="H,I,E,k,TCAP[,Is,group][,rR[relay]]",
                  help="one variant: hidden, intermediate, local experts, top-k, token capacity, optionally the "
                       "shared expert's intermediate size and scale group (32 or 128), and optionally rR: R ranks of "
-                      "the fused transport; repeatable")
+                      "the fused transport (rRrelay: with the relay return path); repeatable")
   p.add_argument("--preset", choices=sorted(PRESETS), action="append", default=[],
                  help="a named set of variants (tests: the GPU check set of docs/kernels.md)")
   p.add_argument("--force", action="store_true", help="rebuild even when OUT holds a matching build")
