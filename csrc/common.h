@@ -77,6 +77,18 @@ inline ffi::Error CheckBuffer(const char* op, const char* name, const ffi::AnyBu
                                      DtypeName(buffer.element_type()));
 }
 
+// For the ctypes entry points: copies `why` into the caller's `error` buffer of `error_size` bytes (truncated,
+// NUL-terminated) and returns -1, their failure code.
+inline int FailWith(const std::string& why, char* error, int error_size) {
+  if (error != nullptr && error_size > 0) {
+    const size_t room = static_cast<size_t>(error_size - 1);
+    const size_t n = why.size() < room ? why.size() : room;
+    why.copy(error, n);
+    error[n] = '\0';
+  }
+  return -1;
+}
+
 // Checks an attribute; `requirement` completes "requires <name> <requirement>".
 inline ffi::Error CheckAttr(const char* op, bool ok, const char* name, const char* requirement, double value) {
   if (ok) return ffi::Error::Success();

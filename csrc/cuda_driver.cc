@@ -94,10 +94,5 @@ GCMOE_EXPORT int gcmoe_cuda_driver_version(char* error, int error_size) {
     if (rc == CUDA_SUCCESS) return version;
     why = gcmoe::CudaErrorMessage(*driver, rc, "cuDriverGetVersion(&version)", __FILE__, __LINE__);
   }
-  if (error != nullptr && error_size > 0) {
-    const size_t n = std::min(why.size(), static_cast<size_t>(error_size - 1));
-    why.copy(error, n);
-    error[n] = '\0';
-  }
-  return -1;
+  return gcmoe::FailWith(why, error, error_size);
 }

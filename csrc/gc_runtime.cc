@@ -247,10 +247,6 @@ std::shared_ptr<Runtime> Runtime::Get(const CudaDriver& cu, std::shared_ptr<cons
 std::string Runtime::Init(std::shared_ptr<const VariantSpec> spec, CUstream stream, int64_t tokens, float clamp) {
   spec_ = std::move(spec);
   const VariantSpec& s = *spec_;
-  if (tokens > s.capacity) {
-    return "gcmoe_moe: T = " + std::to_string(tokens) + " exceeds the kernel variant's token capacity " +
-           std::to_string(s.capacity);
-  }
   GCMOE_CU(cu_.cuStreamGetCtx(stream, &primary_));
   ScopedContext current(cu_, primary_);
   GCMOE_CU(current.status());
@@ -283,11 +279,6 @@ std::shared_ptr<Runtime> Runtime::ForRank(const CudaDriver& cu, std::shared_ptr<
   rt->partition_ = partition;
   rt->role_ctx_[0] = ctx[0];
   rt->role_ctx_[1] = ctx[1];
-  if (tokens > rt->spec_->capacity) {
-    *error = "gcmoe_moe: T = " + std::to_string(tokens) + " exceeds the kernel variant's token capacity " +
-             std::to_string(rt->spec_->capacity);
-    return nullptr;
-  }
   ScopedContext current(cu, primary);
   *error = current.status() != CUDA_SUCCESS
                ? CudaErrorMessage(cu, current.status(), "cuCtxPushCurrent", __FILE__, __LINE__)
@@ -297,6 +288,10 @@ std::shared_ptr<Runtime> Runtime::ForRank(const CudaDriver& cu, std::shared_ptr<
 
 std::string Runtime::Build(int64_t tokens, float clamp) {
   const VariantSpec& s = *spec_;
+  if (tokens > s.capacity) {
+    return "gcmoe_moe: T = " + std::to_string(tokens) + " exceeds the kernel variant's token capacity " +
+           std::to_string(s.capacity);
+  }
   // Finalize runs after both roles, on the compute partition: a node on the primary context costs ~1.4 us more per
   // replay (one more context switch on the critical path; H200 probe, docs/perf.md).
   role_ctx_[2] = role_ctx_[1];
@@ -558,15 +553,6 @@ std::string Runtime::SetStall(int32_t e) {
 
 #include "common.h"
 
-namespace {
-void CopyError(const std::string& why, char* error, int error_size) {
-  if (error == nullptr || error_size <= 0) return;
-  const size_t n = std::min(why.size(), static_cast<size_t>(error_size - 1));
-  why.copy(error, n);
-  error[n] = '\0';
-}
-}  // namespace
-
 // Registers a kernel variant under `key` (gcmoe_jax/ffi/_cuda.py). `config`: capacity, dispatch_sms, timeout_ns,
 // ws_total, ws_silu_table (5 int64); `launch`: (grid, block, dynamic smem) of roles 1, 2, 3 (9 uint32); the three
 // cubins; the silu table (65536 float32). Returns 0, or -1 with the reason in `error`.
@@ -575,10 +561,9 @@ GCMOE_EXPORT int gcmoe_register_variant(const char* key, const int64_t* config, 
                                         const void* cubin2, int64_t size2, const void* cubin3, int64_t size3,
                                         const float* silu_table, int64_t silu_entries, char* error, int error_size) {
   if ((num_config != 5 && num_config != 6) || silu_entries != 65536) {
-    CopyError("gcmoe_register_variant: expected 5 or 6 config values and 65536 silu entries, got " +
-                  std::to_string(num_config) + " and " + std::to_string(silu_entries),
-              error, error_size);
-    return -1;
+    return gcmoe::FailWith("gcmoe_register_variant: expected 5 or 6 config values and 65536 silu entries, got " +
+                               std::to_string(num_config) + " and " + std::to_string(silu_entries),
+                           error, error_size);
   }
   auto spec = std::make_shared<gcmoe::VariantSpec>();  // RegisterVariant adds its digest
   spec->capacity = config[0];

@@ -130,11 +130,5 @@ GCMOE_EXPORT int gcmoe_peer_probe(int device, int ranks, int dispatch_sms, int c
     why = gcmoe::Probe(*cu, device, ranks, static_cast<unsigned>(dispatch_sms), static_cast<unsigned>(compute_sms),
                        cubin, static_cast<uint64_t>(timeout_ns), seen, partition);
   }
-  if (why.empty()) return 0;
-  if (error != nullptr && error_size > 0) {
-    const size_t n = std::min(why.size(), static_cast<size_t>(error_size - 1));
-    why.copy(error, n);
-    error[n] = '\0';
-  }
-  return -1;
+  return why.empty() ? 0 : gcmoe::FailWith(why, error, error_size);
 }

@@ -163,15 +163,6 @@ struct VirtualRankGroup {
   }
 };
 
-int Fail(const std::string& why, char* error, int error_size) {
-  if (error != nullptr && error_size > 0) {
-    const size_t n = std::min(why.size(), static_cast<size_t>(error_size - 1));
-    why.copy(error, n);
-    error[n] = '\0';
-  }
-  return -1;
-}
-
 }  // namespace
 
 #undef GCMOE_VR_CU
@@ -185,11 +176,11 @@ GCMOE_EXPORT int gcmoe_virtual_ranks_create(const char* key, int device, int ran
                                             int32_t* partition, char* error, int error_size) {
   std::string why;
   const gcmoe::CudaDriver* cu = gcmoe::GetCudaDriver(&why);
-  if (cu == nullptr) return gcmoe::Fail(why, error, error_size);
+  if (cu == nullptr) return gcmoe::FailWith(why, error, error_size);
   auto group = std::make_unique<gcmoe::VirtualRankGroup>(*cu);
   why = group->Create(key, device, ranks, static_cast<unsigned>(dispatch_sms), static_cast<unsigned>(compute_sms),
                       tokens, clamp, partition);
-  if (!why.empty()) return gcmoe::Fail(why, error, error_size);
+  if (!why.empty()) return gcmoe::FailWith(why, error, error_size);
   *handle = group.release();
   return 0;
 }
@@ -199,17 +190,17 @@ GCMOE_EXPORT int gcmoe_virtual_ranks_create(const char* key, int device, int ran
 GCMOE_EXPORT int gcmoe_virtual_ranks_run(void* handle, const uint64_t* ptrs, int repeat, double* seconds, char* error,
                                          int error_size) {
   std::string why = static_cast<gcmoe::VirtualRankGroup*>(handle)->Run(ptrs, repeat, seconds);
-  return why.empty() ? 0 : gcmoe::Fail(why, error, error_size);
+  return why.empty() ? 0 : gcmoe::FailWith(why, error, error_size);
 }
 
 // Test hook: rank `rank`'s role 1 withholds local expert `expert` (-1: off) from the next run on.
 GCMOE_EXPORT int gcmoe_virtual_ranks_stall(void* handle, int rank, int expert, char* error, int error_size) {
   auto* g = static_cast<gcmoe::VirtualRankGroup*>(handle);
   if (rank < 0 || static_cast<size_t>(rank) >= g->ranks.size()) {
-    return gcmoe::Fail("virtual ranks: rank " + std::to_string(rank) + " out of range", error, error_size);
+    return gcmoe::FailWith("virtual ranks: rank " + std::to_string(rank) + " out of range", error, error_size);
   }
   std::string why = g->ranks[rank]->SetStall(expert);
-  return why.empty() ? 0 : gcmoe::Fail(why, error, error_size);
+  return why.empty() ? 0 : gcmoe::FailWith(why, error, error_size);
 }
 
 GCMOE_EXPORT void gcmoe_virtual_ranks_destroy(void* handle) { delete static_cast<gcmoe::VirtualRankGroup*>(handle); }
@@ -219,7 +210,7 @@ GCMOE_EXPORT void gcmoe_virtual_ranks_destroy(void* handle) { delete static_cast
 GCMOE_EXPORT int gcmoe_sm_groups(int device, int* group_size, char* error, int error_size) {
   std::string why;
   const gcmoe::CudaDriver* cu = gcmoe::GetCudaDriver(&why);
-  if (cu == nullptr) return gcmoe::Fail(why, error, error_size);
+  if (cu == nullptr) return gcmoe::FailWith(why, error, error_size);
   CUdevice dev = 0;
   CUdevResource all{};
   unsigned n = 0;
@@ -228,8 +219,10 @@ GCMOE_EXPORT int gcmoe_sm_groups(int device, int* group_size, char* error, int e
   if (rc == CUDA_SUCCESS) rc = cu->cuDeviceGetDevResource(dev, &all, CU_DEV_RESOURCE_TYPE_SM);
   const unsigned group = std::max(1u, all.sm.minSmPartitionSize);
   if (rc == CUDA_SUCCESS) rc = cu->cuDevSmResourceSplitByCount(nullptr, &n, &all, nullptr, 0, group);
-  if (rc != CUDA_SUCCESS) return gcmoe::Fail(gcmoe::CudaErrorMessage(*cu, rc, "the simulated split", __FILE__, __LINE__),
-                                             error, error_size);
+  if (rc != CUDA_SUCCESS) {
+    return gcmoe::FailWith(gcmoe::CudaErrorMessage(*cu, rc, "the simulated split", __FILE__, __LINE__), error,
+                           error_size);
+  }
   *group_size = static_cast<int>(group);
   return static_cast<int>(n);
 }

@@ -483,7 +483,8 @@ class VirtualRanks:
 
 
 def split_virtual_ranks(device: Device, ranks: int, dispatch_sms: int | None = None, *,
-                        min_compute_sms: int = MIN_COMPUTE_SMS) -> tuple[VirtualRanks, tuple[str, ...]]:
+                        min_compute_sms: int = MIN_COMPUTE_SMS,
+                        groups: int | None = None) -> tuple[VirtualRanks, tuple[str, ...]]:
   """Eq. 5 for R ranks sharing one device, the fused transport's one-GPU test mode (docs/fused_transport.md).
 
   With one rank the dispatch partition is the remainder of the aligned compute group (`split_sms`). With R > 1 the
@@ -492,6 +493,10 @@ def split_virtual_ranks(device: Device, ranks: int, dispatch_sms: int | None = N
   dispatch groups leave, C = a·floor((S_total - R·D) / (R·a)). The §4.2 checks apply per rank; with R > 1,
   ``min_compute_sms`` lowers the S_compute floor (it protects speed, not correctness) for tests of R = 4 on 132
   SMs.
+
+  ``groups``: how many minSmPartitionSize groups the driver's split of the device makes (``gcmoe_sm_groups``;
+  the H200 gives 15 from 132 SMs, its clusters being uneven). Given, each rank gets ``groups // R`` of them and the
+  split is the one the driver will make; None plans from the SM count (an upper bound).
 
   Returns:
     The split and the failed checks (empty when usable).
@@ -512,12 +517,21 @@ def split_virtual_ranks(device: Device, ranks: int, dispatch_sms: int | None = N
     d = 1
   dispatch = max(a * -(-d // a), device.min_partition_sms)
   compute = a * ((total - ranks * dispatch) // (ranks * a)) if total > ranks * dispatch else 0
+  if groups is not None:
+    _check_int("groups", groups)
+    g = device.min_partition_sms
+    if not 0 <= groups * g <= total:
+      raise ValueError(f"split_virtual_ranks: groups must be in [0, {total // g}] ({g}-SM groups of {total} SMs), "
+                       f"got {groups}")
+    dispatch = g * -(-max(d, 1) // g)
+    compute = max(0, (groups // ranks) * g - dispatch)
   if compute == 0:
     bad.append(f"{ranks} ranks need {ranks} dispatch groups of {dispatch} SMs and at least {a} compute SMs each, "
                f"the device has {total} SMs")
   if compute < min_compute_sms:
-    bad.append(f"S_compute must be >= {min_compute_sms} per rank (eq. 5, §4.2), got {compute} "
-               f"(= {a}*floor(({total} - {ranks}*{dispatch})/({ranks}*{a})) with {ranks} ranks)")
+    how = (f"{device.min_partition_sms}*floor({groups}/{ranks}) - {dispatch} with {groups} driver groups"
+           if groups is not None else f"{a}*floor(({total} - {ranks}*{dispatch})/({ranks}*{a})) with {ranks} ranks")
+    bad.append(f"S_compute must be >= {min_compute_sms} per rank (eq. 5, §4.2), got {compute} (= {how})")
   if compute % 2:
     bad.append(f"S_compute must be even (§4.2), got {compute}")
   if 0 < compute < device.min_partition_sms:

@@ -525,6 +525,19 @@ def test_virtual_rank_splits_on_one_h200():
     assert r * (s.dispatch_sms + s.compute_sms) + s.leftover_sms == 132 and s.compute_sms % 8 == 0
 
 
+def test_virtual_rank_splits_from_the_drivers_groups():
+  # The H200's driver makes 15 groups of 8 from 132 SMs (measured): R = 2 -> 8 + 48, R = 3 -> 8 + 32, R = 4 -> 8 + 16.
+  assert g.split_virtual_ranks(g.H200, 2, groups=15) == (g.VirtualRanks(2, 8, 48, 20), ())
+  assert g.split_virtual_ranks(g.H200, 3, groups=15) == (g.VirtualRanks(3, 8, 32, 12), ())
+  split, bad = g.split_virtual_ranks(g.H200, 4, groups=15)
+  assert split == g.VirtualRanks(4, 8, 16, 36)
+  assert bad == ("S_compute must be >= 32 per rank (eq. 5, §4.2), got 16 (= 8*floor(15/4) - 8 with 15 driver groups)",)
+  assert g.split_virtual_ranks(g.H200, 4, groups=15, min_compute_sms=16)[1] == ()
+  assert g.split_virtual_ranks(g.H200, 2, 9, groups=15)[0] == g.VirtualRanks(2, 16, 40, 20)
+  with pytest.raises(ValueError, match=r"groups must be in \[0, 16\] \(8-SM groups of 132 SMs\), got 17"):
+    g.split_virtual_ranks(g.H200, 2, groups=17)
+
+
 def test_virtual_rank_split_rejections():
   with pytest.raises(ValueError, match="plan: ranks must be >= 1, got 0"):
     g.split_virtual_ranks(g.H200, 0)

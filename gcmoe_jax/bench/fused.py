@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
   m = geometry.MODELS[args.model]
   local = m.E // 8
   w = _weights(args.ranks * local, m.H, m.I, seed=0)
-  expert_bytes, _ = sweep._expert_bytes(w)
+  routed_bytes, _ = sweep.expert_bytes(w)
   bandwidth = sweep.measure_bandwidth()
   print(f"{args.ranks} virtual ranks on one {jax.devices()[0].device_kind}: {m.name} L = {local} per rank "
         f"(E = {w.num_experts}), H {m.H}, I {m.I}, top-{m.k}; bandwidth {bandwidth / 1e9:.0f} GB/s\n")
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
   for b in (int(v) for v in args.batch.split(",")):
     fused, one, ids = measure(w, m.k, args.ranks, b, iters=args.iters, clamp=args.clamp)
     hit = np.unique(ids[ids >= 0])
-    floor = np.bincount(hit // local, minlength=args.ranks).max() * expert_bytes / bandwidth
+    floor = np.bincount(hit // local, minlength=args.ranks).max() * routed_bytes / bandwidth
     print(f"| {b} | {floor * 1e6:.1f} | {fused * 1e6:.1f} | {one * 1e6:.1f} | {fused / one:.2f} | "
           f"{fused / floor:.1f} |", flush=True)
   return 0

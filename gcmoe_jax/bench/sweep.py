@@ -46,7 +46,7 @@ from gcmoe_jax.bench import baselines
 from gcmoe_jax.bench.problems import DEMO_SHAPE, make_routes
 
 __all__ = ["BASELINES", "IMPLS", "BenchShape", "Row", "default_impls", "measure_bandwidth", "measure_fp8_rate",
-           "model_shape", "plot", "run", "to_markdown", "write_csv"]
+           "expert_bytes", "model_shape", "plot", "run", "to_markdown", "write_csv"]
 
 BASELINES = ("ragged_dot", "dense_gather")
 IMPLS = (*BASELINES, "emulated", *(f"gcmoe:{b}" for b in api.BACKENDS if b != "auto"))
@@ -162,7 +162,7 @@ def measure_fp8_rate(n: int | None = None, *, iters: int = 10) -> float:
   return 2 * n**3 / statistics.median(time_call(f, (a, b), iters=iters, warmup=2))
 
 
-def _expert_bytes(w: formats.ExpertWeights) -> tuple[float, int]:
+def expert_bytes(w: formats.ExpertWeights) -> tuple[float, int]:
   """(MXFP4 bytes of one routed expert incl. scales, MXFP8 bytes of the shared expert incl. scales or 0)."""
   routed = sum(a.nbytes for a in (w.w13, w.w13_scale, w.w2, w.w2_scale)) / w.num_experts
   s = w.shared
@@ -228,7 +228,7 @@ class _Problem:
     # Under jit: quantizing eagerly dispatches many small ops; random normals need no finiteness check.
     self.quantized = jax.jit(formats.quantize_experts, static_argnames="shared_group")(
       w13, w2, shared=shared, shared_group=s.shared_group)
-    self.routed_bytes, self.shared_bytes = _expert_bytes(self.quantized)
+    self.routed_bytes, self.shared_bytes = expert_bytes(self.quantized)
     self.seed = seed
 
   # Two copies of each weight set (same values, other buffers): consecutive layers of a timed chain alternate, so a

@@ -83,9 +83,12 @@ class VirtualRanks:
       raise RuntimeError(f"VirtualRanks: the CUDA backend cannot run here: {s.reason}")
     arch = s.reason
     facts, _ = _cuda.device_facts(device, arch)
-    split, problems = geometry.split_virtual_ranks(facts, ranks, dispatch_sms, min_compute_sms=min_compute_sms)
+    # The driver's split, not the SM count's: it makes fewer aligned groups than the SM count suggests where
+    # clusters are uneven (H200: 15 groups of 8 from 132 SMs, so R = 2 gets 8 + 48, not 8 + 56).
+    split, problems = geometry.split_virtual_ranks(facts, ranks, dispatch_sms, min_compute_sms=min_compute_sms,
+                                                   groups=self._driver_groups(device, facts.min_partition_sms))
     if problems:
-      raise ValueError("VirtualRanks: the split does not fit: " + "; ".join(problems))
+      raise ValueError(f"VirtualRanks: the split does not fit device {device}: " + "; ".join(problems))
     shared = w.shared
     local = e // ranks
     self.variant = build.Variant(w.hidden, w.intermediate, local, top_k, capacity,
@@ -94,11 +97,8 @@ class VirtualRanks:
     built = build.load_or_build(arch, self.variant)
     ws = self.variant.workspace()
     timeout_ns = int(_config.get("GCMOE_WAIT_TIMEOUT_MS")) * 1_000_000
-    # The compute partitions are the driver's: it makes fewer aligned groups than the SM count suggests where
-    # clusters are uneven (H200: 15 groups of 8 from 132 SMs, so R = 2 gets 8 + 48, not the geometry's 8 + 56), so
-    # the runtime takes as many groups per rank as fit (compute 0) and reports them; the grids follow below.
-    d = split.dispatch_sms
-    c = self._driver_compute_sms(device, ranks, d, min_compute_sms)
+    # The runtime's split (compute 0) takes as many groups per rank as fit, which is this split; the grids follow.
+    d, c = split.dispatch_sms, split.compute_sms
     key = f"{build.cache_key(arch, self.variant)}:vr:d{d}:c{c}:t{timeout_ns}"
     # Role 1 takes one CTA per dispatch SM (its copies spread over the partition); roles 2 and 3 as on one rank.
     launch = (d, *built.launch(1)[1:], *built.launch(2, c), *built.launch(3, c))
@@ -129,8 +129,8 @@ class VirtualRanks:
     self.partition = part  # [R, 2]: the dispatch and compute SMs each rank got
 
   @staticmethod
-  def _driver_compute_sms(device: int, ranks: int, dispatch_sms: int, min_compute_sms: int) -> int:
-    """The compute SMs per rank that the driver's groups leave (the runtime's split with compute 0 makes these)."""
+  def _driver_groups(device: int, group_size: int) -> int:
+    """How many ``group_size``-SM groups the driver's structured split of ``device`` makes (a simulated split)."""
     fn = _lib().gcmoe_sm_groups
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_char_p, ctypes.c_int]
@@ -139,11 +139,10 @@ class VirtualRanks:
     n = fn(device, ctypes.byref(group), error, len(error))
     if n < 0:
       raise RuntimeError(f"VirtualRanks: {error.value.decode()}")
-    c = max(0, n // ranks - -(-dispatch_sms // group.value)) * group.value
-    if c < min_compute_sms:
-      raise ValueError(f"VirtualRanks: {ranks} ranks of {dispatch_sms} dispatch SMs leave {c} compute SMs each on "
-                       f"device {device}, fewer than min_compute_sms = {min_compute_sms}")
-    return c
+    if group.value != group_size:
+      raise RuntimeError(f"VirtualRanks: the driver splits device {device} into groups of {group.value} SMs, the "
+                         f"geometry's device facts say {group_size} (check `python -m gcmoe_jax doctor`)")
+    return n
 
   def _pointers(self, xs, ids, weights, ys) -> ctypes.Array:
     if not len(xs) == len(ids) == len(weights) == self.ranks:

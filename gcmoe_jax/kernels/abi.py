@@ -137,7 +137,7 @@ def counter_words(experts: int, capacity: int, shared: bool, ranks: int = 1, rel
 
 def relay_counters(experts: int, capacity: int, shared: bool) -> int:
   """Word index, in one parity of ``counters``, of expert 0's count of GEMM2 items done (the relay path)."""
-  return experts + 1 + (capacity if shared else 0) + 2
+  return fused_counters(experts, capacity, shared)[1] + 1
 
 
 def pull_cache(top_k: int, ranks: int) -> bool:
