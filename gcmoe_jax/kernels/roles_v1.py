@@ -344,6 +344,22 @@ def _ld_nc(addr) -> Int32:
   return _ptx1("ld.global.nc.u32 {$w0}, [{$r0}];", addr)
 
 
+def _ld_cg_v4(addr) -> tuple[Int32, Int32, Int32, Int32]:
+  """16 bytes through L2 only (another GPU or partition wrote them during this call)."""
+  return cute.arch.inline_ptx("ld.global.cg.v4.u32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+                              write_only_types=[Int32] * 4, read_only_args=[addr])
+
+
+def _st_v4(addr, w0, w1, w2, w3) -> None:
+  cute.arch.inline_ptx("st.global.v4.u32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
+                       read_only_args=[addr, Int32(w0), Int32(w1), Int32(w2), Int32(w3)])
+
+
+def _bf16_half(word, hi: int) -> Int32:
+  """float32 bits of the BF16 in the low (hi 0: the lower address) or high half of a 32-bit word."""
+  return word & Int32(-(1 << BF16_SHIFT)) if hi else word << BF16_SHIFT
+
+
 def _ld_nc_bf16(addr) -> Int32:
   """float32 bits of the BF16 at ``addr`` (read-only while this kernel runs)."""
   return _ptx1("ld.global.nc.u16 {$w0}, [{$r0}];", addr) << BF16_SHIFT
@@ -732,23 +748,34 @@ class RoleKernelsV1:
         words = abi.counter_words(v.experts, v.capacity, v.shared, v.ranks, v.relay)
         for i in range(tid, words, THREADS):
           _st(wsb + ws.counters + (Int64(nxt) * words + i) * WORD_BYTES, 0)
-    for t in range(bid, n_tok, Int32(grid)):
-      for h in range(tid, v.hidden, THREADS):
-        acc = Int32(0)  # +0.0
+    # Work items (token, block of 8 THREADS columns); a thread sums 8 adjacent columns with 16-byte accesses, the k
+    # rows' loads independent of each other (one CTA per token took 24 dependent round trips at H = 6144: 15 us).
+    cols = 8 * THREADS
+    n_cb = (v.hidden + cols - 1) // cols
+    for q in range(bid, n_tok * n_cb, Int32(grid)):
+      t = q // n_cb
+      h = (q - t * n_cb) * cols + tid * 8
+      if h < v.hidden:
+        acc = cute.make_rmem_tensor(8, Int32)
+        for i in cutlass.range_constexpr(8):
+          acc[i] = Int32(0)  # +0.0
         for j in cutlass.range_constexpr(v.top_k):
           a = t * v.top_k + j
+          row = wsb + ws.arena + (Int64(a) * v.hidden + h) * BF16_BYTES  # arena[t k + j, h .. h + 7]
           if cutlass.const_expr(v.ranks > 1):  # written by the peers during this call: not the read-only path
-            o = _ptx1("ld.global.cg.u16 {$w0}, [{$r0}];", wsb + ws.arena + (Int64(a) * v.hidden + h) * BF16_BYTES)
-            o = o << BF16_SHIFT
+            o = _ld_cg_v4(row)
           else:
-            o = _ld_nc_bf16(wsb + ws.arena + (Int64(a) * v.hidden + h) * BF16_BYTES)  # arena[t k + j, h]
+            o = _ld_nc_v4(row)
           valid = _ld_nc(idb + Int64(a) * WORD_BYTES) >= 0
-          acc = _fadd(acc, cutlass.select_(valid, o, Int32(0)))
+          for i in cutlass.range_constexpr(8):
+            acc[i] = _fadd(acc[i], cutlass.select_(valid, _bf16_half(o[i // 2], i % 2), Int32(0)))
         if cutlass.const_expr(v.shared):
-          so = _ld_nc_bf16(wsb + ws.shared_out + (Int64(t) * v.hidden + h) * BF16_BYTES)  # shared_out[t, h]
-          acc = _fadd(acc, so)
-        out = cutlass.select_(fault != 0, Int32(BF16_QNAN), _bf16_rne(acc))
-        _st_bf16(yb + (Int64(t) * v.hidden + h) * BF16_BYTES, out)
+          so = _ld_nc_v4(wsb + ws.shared_out + (Int64(t) * v.hidden + h) * BF16_BYTES)  # shared_out[t, h ..]
+          for i in cutlass.range_constexpr(8):
+            acc[i] = _fadd(acc[i], _bf16_half(so[i // 2], i % 2))
+        out = [cutlass.select_(fault != 0, Int32(BF16_QNAN), _bf16_rne(acc[i])) for i in range(8)]
+        _st_v4(yb + (Int64(t) * v.hidden + h) * BF16_BYTES,
+               *(out[2 * i] | (out[2 * i + 1] << BF16_SHIFT) for i in range(4)))
     if bid == 0:
       cute.arch.sync_threads()
       if tid == 0:

@@ -97,6 +97,12 @@ F32_4096 = v1._f32_bits(4096.0)
 POS_LO, POS_HI = 0x03020100, 0x0C080604
 NEG_LO, NEG_HI = v1._i32(0xFDFEFF00), v1._i32(0xF4F8FAFC)
 SIGN_SELECT = 0x0000FF00  # prmt table whose byte 1 is 0xFF: a selector nibble of 1 gives an all-ones byte
+# The split decode of narrow passes (`_stage`, nt <= SPLIT_DECODE_NT): 2 w = P + N per code, P = 2 |2 w| for a
+# positive code and 0 for a negative one (one prmt on the raw nibbles: a set sign bit selects prmt's sign-replicate
+# mode, which turns these table bytes, all below 0x80, into 0), N = -|2 w| (one prmt on the magnitudes); P and N
+# each take an MMA into the same int32 accumulator, so D is unchanged and exact.
+POS2_LO, POS2_HI = 0x06040200, 0x18100C08
+SPLIT_DECODE_NT = 2
 EXPAND_SELECT = 0x5140  # prmt selector of the sm_120a seam: bytes (w0, (w >> 4)0, w1, (w >> 4)1) of a 16-bit word
 
 
@@ -338,6 +344,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # 1 keeps one tag byte per global assignment in SMEM (the local expert it goes to, or 0xFF).
     self.fused = v.ranks > 1
     self.relay = v.relay
+    # The split decode of narrow passes (`_stage`); not with the fused transport, whose extra code leaves it too few
+    # registers at the two-CTA cap (ptxas spilled 40 B); `GCMOE_ABLATION=widedecode` turns it off for A/B timing.
+    self.split_decode = not self.fused and self.ablation != "widedecode"
     self.cache = abi.pull_cache(v.top_k, v.ranks)  # rx rows per (rank, token), else per (rank, token, slot)
     self.words = abi.counter_words(v.experts, v.capacity, v.shared, v.ranks, v.relay)
     self.relay_base = abi.relay_counters(v.experts, v.capacity, v.shared)
@@ -969,9 +978,13 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         if _lds(ctl + CTL_SLOT_ASG + slot * 4) // per_rank == tid:
           n = n + 1
       if n > 0:
-        words = self.words
-        _, returns = abi.fused_counters(v.experts, v.capacity, v.shared)
-        _red_release_sys(_peer(wsb, tid) + ws.counters + (Int64(cur & 1) * words + returns) * v1.WORD_BYTES, n)
+        _red_release_sys(self._returns_counter(_peer(wsb, tid), cur), n)
+
+  def _returns_counter(self, base: Int64, cur: Int32) -> Int64:
+    """Address of call ``cur``'s returns counter (`abi.fused_counters`) in the workspace at ``base`` (this
+    rank's or a peer's: the layout is the same on every rank)."""
+    _, returns = abi.fused_counters(self.v.experts, self.v.capacity, self.v.shared)
+    return base + self.ws.counters + (Int64(cur & 1) * self.words + returns) * v1.WORD_BYTES
 
   @cute.jit
   def _copier(self, b: Int32, n_relay: Int32, n_hit: Int32, table: Int32, wsb: Int64, cur: Int32, bid: Int32,
@@ -985,7 +998,6 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     warp, lane, _, _ = _lanes()
     per_rank = v.capacity * v.top_k
     row_bytes = v.hidden * v1.BF16_BYTES
-    _, returns = abi.fused_counters(v.experts, v.capacity, v.shared)
     done = pipe  # u32 per hit expert: copied
     cnt = pipe + 4 * v.experts  # u32 per rank: rows of the current expert copied to it
     word = cnt + 4 * abi.MAX_RANKS  # broadcast word
@@ -1025,8 +1037,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
             if tid < v.ranks:
               n = _lds(cnt + tid * 4)
               if n > 0:
-                _red_release_sys(_peer(wsb, tid) + ws.counters + (Int64(cur & 1) * self.words + returns) *
-                                 v1.WORD_BYTES, n * self.j2)
+                _red_release_sys(self._returns_counter(_peer(wsb, tid), cur), n * self.j2)
             if tid == 0:
               _sts(done + h * 4, 1)
             left = left - 1
@@ -1059,10 +1070,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         n = n + _shfl_xor(n, 1 << off)
       if tid == 0:
         cur = v1._ld(wsb + abi.HEADER["epoch"]) + 1
-        words = self.words
-        _, returns = abi.fused_counters(v.experts, v.capacity, v.shared)
-        addr = wsb + self.ws.counters + (Int64(cur & 1) * words + returns) * v1.WORD_BYTES
-        self._wait_geq(addr, n * self.j2, wsb, cur, bid, Int32(abi.WAIT_RETURNS), abi.ROLE_TRANSPORT, "sys")
+        self._wait_geq(self._returns_counter(wsb, cur), n * self.j2, wsb, cur, bid, Int32(abi.WAIT_RETURNS),
+                       abi.ROLE_TRANSPORT, "sys")
     cute.arch.sync_threads()
 
   @cute.jit
@@ -1081,34 +1090,48 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     xp_off = xe_off + slots * 16
     magic4 = (Int32(MAGIC), Int32(MAGIC), Int32(MAGIC), Int32(MAGIC))
     zero4 = (Int32(0), Int32(0), Int32(0), Int32(0))
-    # Weight fragments decoded once per stage (16 registers) and reused by every n-tile.
     words = _weight_words(sb, warp, lane)
-    a_all = tuple((_dec4(words[2 * s]), _dec4(words[2 * s + 1]), _dec4(words[2 * s] >> 16),
-                   _dec4(words[2 * s + 1] >> 16)) for s in range(v1.SUBS))
-    for i in cutlass.range_constexpr(nt):
+
+    def block(i, s, mma):
+      """Block s of n-tile i: ``mma(b, c)`` = A B + C for this block's weights."""
+      wb = (((scw[0] >> (8 * s)) & 0xFF), ((scw[1] >> (8 * s)) & 0xFF))
+      xp = sb + xp_off + (8 * i + g) * TOKEN_STRIDE + s * BLOCK_BYTES + 8 * t4
+      b0 = _lds2(xp)
+      b1 = _lds2(xp + 32)
+      b2 = _lds2(xp + 64)
+      s1 = mma(b1, zero4)
+      r0 = mma(b0, tuple(s1[c] * (1 << abi.DIGIT_BITS) + MAGIC for c in range(4)))
+      r2 = mma(b2, magic4)
+      # Exponent words of block s of this thread's two columns (slots 8 i + 2 t4 and + 1).
+      xe = (_lds(sb + xe_off + (8 * i + 2 * t4) * 16 + 4 * s), _lds(sb + xe_off + (8 * i + 2 * t4 + 1) * 16 + 4 * s))
+      for c in cutlass.range_constexpr(4):
+        xw = xe[c % 2]
+        tf = v1._fadd(r0[c], MAGIC_NEG)
+        sf = v1._fadd(r2[c], MAGIC_NEG)
+        df = _fma(sf, F32_4096, tf)  # f32(D), rounded once (= cvt.rn.f32.s32 of D)
+        if cutlass.const_expr(fast):
+          acc[4 * i + c] = _fma(df, xw + (wb[c // 2] << v1.F32_MANT_BITS), acc[4 * i + c])
+        else:
+          p = v1._scale_pow2(df, (xw >> v1.F32_MANT_BITS) + wb[c // 2] - v1.F32_BIAS)
+          p = cutlass.select_(xw == abi.NAN_WORD, Int32(v1.F32_QNAN), p)
+          acc[4 * i + c] = v1._fadd(acc[4 * i + c], p)
+
+    if cutlass.const_expr(self.split_decode and nt <= SPLIT_DECODE_NT):
+      # Narrow passes, where the decode dominates: the split decode, block by block (8 registers), and twice the
+      # MMAs (the tensor pipe is ~10 % busy there). Every accumulator still takes its blocks in increasing K.
       for s in cutlass.range_constexpr(v1.SUBS):
-        a = a_all[s]
-        wb = (((scw[0] >> (8 * s)) & 0xFF), ((scw[1] >> (8 * s)) & 0xFF))
-        xp = sb + xp_off + (8 * i + g) * TOKEN_STRIDE + s * BLOCK_BYTES + 8 * t4
-        b0 = _lds2(xp)
-        b1 = _lds2(xp + 32)
-        b2 = _lds2(xp + 64)
-        s1 = _mma_s8(a, b1, zero4)
-        r0 = _mma_s8(a, b0, tuple(s1[c] * (1 << abi.DIGIT_BITS) + MAGIC for c in range(4)))
-        r2 = _mma_s8(a, b2, magic4)
-        # Exponent words of block s of this thread's two columns (slots 8 i + 2 t4 and + 1).
-        xe = (_lds(sb + xe_off + (8 * i + 2 * t4) * 16 + 4 * s), _lds(sb + xe_off + (8 * i + 2 * t4 + 1) * 16 + 4 * s))
-        for c in cutlass.range_constexpr(4):
-          xw = xe[c % 2]
-          tf = v1._fadd(r0[c], MAGIC_NEG)
-          sf = v1._fadd(r2[c], MAGIC_NEG)
-          df = _fma(sf, F32_4096, tf)  # f32(D), rounded once (= cvt.rn.f32.s32 of D)
-          if cutlass.const_expr(fast):
-            acc[4 * i + c] = _fma(df, xw + (wb[c // 2] << v1.F32_MANT_BITS), acc[4 * i + c])
-          else:
-            p = v1._scale_pow2(df, (xw >> v1.F32_MANT_BITS) + wb[c // 2] - v1.F32_BIAS)
-            p = cutlass.select_(xw == abi.NAN_WORD, Int32(v1.F32_QNAN), p)
-            acc[4 * i + c] = v1._fadd(acc[4 * i + c], p)
+        w4 = (words[2 * s], words[2 * s + 1], words[2 * s] >> 16, words[2 * s + 1] >> 16)
+        a_pos = tuple(_prmt(POS2_LO, POS2_HI, w) for w in w4)
+        a_neg = tuple(_prmt(NEG_LO, NEG_HI, w & 0x7777) for w in w4)
+        for i in cutlass.range_constexpr(nt):
+          block(i, s, lambda b, c: _mma_s8(a_neg, b, _mma_s8(a_pos, b, c)))
+    else:
+      # Wide passes: the weight fragments decoded once per stage (16 registers) and reused by every n-tile.
+      a_all = tuple((_dec4(words[2 * s]), _dec4(words[2 * s + 1]), _dec4(words[2 * s] >> 16),
+                     _dec4(words[2 * s + 1] >> 16)) for s in range(v1.SUBS))
+      for i in cutlass.range_constexpr(nt):
+        for s in cutlass.range_constexpr(v1.SUBS):
+          block(i, s, lambda b, c: _mma_s8(a_all[s], b, c))
 
   @cute.jit
   def _stage_qmma(self, nt: cutlass.Constexpr, sb: Int32, scw, acc: cute.Tensor):
