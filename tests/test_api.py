@@ -139,7 +139,8 @@ def test_donated_and_strided_inputs_give_the_oracle(args, backend):
 
 def test_cuda_token_capacity_is_a_clear_error():
   from gcmoe_jax.ffi import _cuda
-  assert _cuda.capacity_for(1) == 8 and _cuda.capacity_for(9) == 16 and _cuda.capacity_for(256) == 256
+  assert _cuda.capacity_for(1) == 8 and _cuda.capacity_for(9) == 16 and _cuda.capacity_for(17) == 32
+  assert _cuda.capacity_for(33) == 64 and _cuda.capacity_for(256) == 256
   with pytest.raises(ValueError, match=r"the CUDA backend runs decode batches of at most 256 tokens per call .* "
                                        r"got T = 257"):
     _cuda.capacity_for(257)

@@ -11,7 +11,7 @@ run), as in `bench.ep`.
   python -m gcmoe_jax.bench.fused --model glm5.2 --ranks 2 --batch 1,2,4,8,16
 
 needs cubins for the fused variants (``build-kernels --preset fused``) and for the one-rank layer (the local
-variants of E = R L experts at capacities 8, 16, 64).
+variants of E = R L experts at capacities 8, 16, 32, 64).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from gcmoe_jax import geometry
 # I 2304, E 48, k 6) at every token capacity, with and without a shared expert (Is = I, group 128).
 _SMALL = (512, 256, 8, 4, 16)
 _PAPER = {"glm5.2": (6144, 2048, 32, 8), "dsv4.1-flash": (5120, 2304, 48, 6)}
-_PAPER_CAPACITIES = (8, 16, 64, 256)
+_PAPER_CAPACITIES = (8, 16, 32, 64, 256)
 _SHARED_GROUP = 128
 
 
@@ -46,7 +46,7 @@ def _preset_tests() -> list[tuple[int, ...]]:
 
 def _preset_paper() -> list[tuple[int, ...]]:
   """The paper's 18 decode points of both models, routed and with the shared expert: the token capacities 8, 16,
-  64 and 256 hold B = 1..256."""
+  32, 64 and 256 hold B = 1..256."""
   return [v for h, i, e, k in _PAPER.values() for cap in _PAPER_CAPACITIES
           for v in ((h, i, e, k, cap), (h, i, e, k, cap, i, _SHARED_GROUP))]
 
@@ -55,9 +55,9 @@ def _preset_multigpu() -> list[tuple[int, ...]]:
   """tests/test_multigpu.py and `python -m gcmoe_jax.bench.ep` on 2, 4 and 8 GPUs: the collective transport's local
   op runs k = 1 over R * B * k rows (small shape: E/R = 8, B = 4, k = 1..4: 8 to 128 rows; the paper models at
   L = E / R, B = 1..16: up to 256 rows at R = 2), and the owner's shared expert over B rows."""
-  small = [(512, 256, 8, 1, cap) for cap in (8, 16, 64, 256)] + [(512, 256, 8, 1, 8, 256, 128)]
+  small = [(512, 256, 8, 1, cap) for cap in (8, 16, 32, 64, 256)] + [(512, 256, 8, 1, 8, 256, 128)]
   return small + [(m.H, m.I, m.E // r, 1, cap) for m in geometry.MODELS.values() for r in (2, 4, 8)
-                  for cap in (16, 64, 256)]
+                  for cap in (16, 32, 64, 256)]
 
 
 def _preset_fused() -> list[tuple[int, ...]]:

@@ -15,7 +15,7 @@ emulated on sm_90 and FP8 ``wgmma`` sums with fewer bits than FP32 (its K32 sums
 exact and native.
 
 **Role 2, CTAs of 256 threads (8 warps)**: one per compute SM with passes of up to 64 rows, or, for routed-only
-variants of token capacity <= 16 (decode batches), two per SM with passes of up to 16 rows at <= 128 registers
+variants of token capacity <= 32 (decode batches), two per SM with passes of up to 16 rows at <= 128 registers
 (build.py applies the .minnctapersm/.maxnreg rewrites of paper §5.1; twice the warps hide the MMA and SMEM
 latencies better where the work per stage is small).
 
@@ -73,7 +73,7 @@ THREADS = v1.THREADS  # 8 warps
 WARPS = THREADS // 32
 TILE_M = 16 * WARPS  # weight rows per item: one m16 tile per warp
 NT_MAX = 8  # n-tiles of 8 rows per pass over the weights (64 rows)
-SMALL_CAPACITY = 16  # routed-only variants up to this token capacity: passes of 16 rows and two CTAs per SM
+SMALL_CAPACITY = 32  # routed-only variants up to this token capacity: passes of 16 rows and two CTAs per SM
 PLANES = abi.PLANES
 BLOCK_BYTES = PLANES * 32  # one (row, K32 block) of digit planes
 TOKEN_STRIDE = 4 * BLOCK_BYTES + 32  # SMEM bytes per token per K128 stage: padded so n-tile loads miss no bank twice
@@ -333,9 +333,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # shared-expert path (sAct, sExp, sNan, sA) also runs.
     self.table = CTRL_BYTES
     self.pipe = CTRL_BYTES + (8 * v.experts + 127) // 128 * 128
-    # Small routed-only variants (decode batches of at most 16 tokens) run passes of at most 16 rows with a
+    # Small routed-only variants (decode batches of at most 32 tokens) run passes of at most 16 rows with a
     # 128-register budget, so two CTAs share an SM and hide each other's latencies; the others run 64-row passes
-    # (v1's shared-expert path needs more registers).
+    # (v1's shared-expert path needs more registers). At capacity 32 an expert hit by more than 16 tokens streams
+    # its weights once per 16 rows (rare under uniform routing: ~8 rows per expert at GLM5.2 B = 32).
     small = v.capacity <= SMALL_CAPACITY and not v.shared
     self.nt_max = 2 if small else NT_MAX
     self.ctas = 2 if small else 1
