@@ -60,6 +60,8 @@ namespace gcmoe {
   X(cuStreamSynchronize) \
   X(cuDeviceGet) \
   X(cuDevicePrimaryCtxRetain) \
+  X(cuDeviceCanAccessPeer) \
+  X(cuCtxEnablePeerAccess) \
   X(cuDevicePrimaryCtxRelease) \
   X(cuGreenCtxStreamCreate) \
   X(cuLibraryGetKernel) \

@@ -92,7 +92,8 @@ class ScopedContext {
 void RegisterVariant(const std::string& key, std::shared_ptr<VariantSpec> spec) {
   Sha256 sha;
   sha.Add(spec->capacity).Add(spec->dispatch_sms).Add(spec->timeout_ns).Add(spec->ws_total).Add(spec->ws_silu_table);
-  sha.Add(spec->planned_compute_sms);
+  sha.Add(spec->planned_compute_sms).Add(spec->ranks);
+  for (int32_t d : spec->peer_devices) sha.Add(d);
   for (const RoleSpec& r : spec->role) {
     sha.Add(r.grid).Add(r.block).Add(r.smem);
     sha.Add(Sha256().Update(r.cubin.data(), r.cubin.size()).Finish());
@@ -197,17 +198,134 @@ std::string AcquireGreenPair(const CudaDriver& cu, CUdevice device, unsigned req
   return "";
 }
 
-struct RuntimeCache {
+// A process-wide cache of weak references (the last user of an entry frees it), never destroyed at exit.
+template <typename T>
+struct WeakCache {
   std::mutex mutex;
-  std::map<Digest, std::weak_ptr<Runtime>> entries;
+  std::map<Digest, std::weak_ptr<T>> entries;
+
+  static WeakCache& Instance() {
+    static auto* c = new WeakCache;
+    return *c;
+  }
 };
 
-RuntimeCache& Cache() {
-  static auto* c = new RuntimeCache;
-  return *c;
-}
+WeakCache<Runtime>& Cache() { return WeakCache<Runtime>::Instance(); }
 
 }  // namespace
+
+// ---- The fused transport's peer groups (one process driving several GPUs) -----------------------------------------
+
+// The R workspaces of one group of the fused transport (docs/fused_transport.md), one on each of its devices,
+// allocated and initialised together when the group's first rank runs: a rank's kernels read and write its peers'
+// workspaces from their first call on, so every workspace (zeroed, header with its rank and the peer table, silu
+// table) must exist before any rank launches. Peer access is enabled between every pair; a pair without it fails
+// with a message naming the devices.
+class PeerGroup {
+ public:
+  static std::shared_ptr<PeerGroup> Get(const CudaDriver& cu, const std::shared_ptr<const VariantSpec>& spec,
+                                        const std::vector<int32_t>& ordinals, std::string* error);
+  ~PeerGroup();
+  CUdeviceptr workspace(int rank) const { return ws_[rank]; }
+
+ private:
+  explicit PeerGroup(const CudaDriver& cu) : cu_(cu) {}
+  std::string Init(const VariantSpec& s, const std::vector<int32_t>& ordinals);
+
+  const CudaDriver& cu_;
+  std::vector<CUdevice> device_;
+  std::vector<CUcontext> primary_;  // retained for the group's life
+  std::vector<CUdeviceptr> ws_;
+};
+
+std::shared_ptr<PeerGroup> PeerGroup::Get(const CudaDriver& cu, const std::shared_ptr<const VariantSpec>& spec,
+                                          const std::vector<int32_t>& ordinals, std::string* error) {
+  Sha256 sha;
+  sha.Add(spec->digest);
+  for (int32_t d : ordinals) sha.Add(d);
+  const Digest key = sha.Finish();
+  WeakCache<PeerGroup>& cache = WeakCache<PeerGroup>::Instance();
+  std::lock_guard<std::mutex> lock(cache.mutex);  // the group's other ranks wait here until it is complete
+  if (auto hit = cache.entries[key].lock()) return hit;
+  std::shared_ptr<PeerGroup> group(new PeerGroup(cu));
+  *error = group->Init(*spec, ordinals);
+  if (!error->empty()) {
+    cache.entries.erase(key);
+    return nullptr;
+  }
+  cache.entries[key] = group;
+  return group;
+}
+
+std::string PeerGroup::Init(const VariantSpec& s, const std::vector<int32_t>& ordinals) {
+  const size_t r = ordinals.size();
+  device_.assign(r, 0);
+  primary_.assign(r, nullptr);
+  ws_.assign(r, 0);
+  for (size_t p = 0; p < r; ++p) {
+    GCMOE_CU(cu_.cuDeviceGet(&device_[p], ordinals[p]));
+    GCMOE_CU(cu_.cuDevicePrimaryCtxRetain(&primary_[p], device_[p]));
+  }
+  for (size_t p = 0; p < r; ++p) {
+    ScopedContext current(cu_, primary_[p]);
+    GCMOE_CU(current.status());
+    for (size_t q = 0; q < r; ++q) {
+      if (q == p) continue;
+      int can = 0;
+      GCMOE_CU(cu_.cuDeviceCanAccessPeer(&can, device_[p], device_[q]));
+      if (!can) {
+        return "gcmoe_moe: the fused transport needs peer access between the GPUs of a group, and device " +
+               std::to_string(ordinals[p]) + " cannot access device " + std::to_string(ordinals[q]) +
+               " (cuDeviceCanAccessPeer); use transport='collective'";
+      }
+      const CUresult rc = cu_.cuCtxEnablePeerAccess(primary_[q], 0);
+      if (rc != CUDA_SUCCESS && rc != CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED) {
+        return CudaErrorMessage(cu_, rc, "cuCtxEnablePeerAccess", __FILE__, __LINE__);
+      }
+    }
+    GCMOE_CU(cu_.cuMemAlloc(&ws_[p], static_cast<size_t>(s.ws_total)));
+  }
+  WorkspaceHeader header{};
+  header.timeout_ns = s.timeout_ns;
+  header.stall_expert = -1;
+  for (size_t p = 0; p < r; ++p) header.peers[p] = ws_[p];
+  for (size_t p = 0; p < r; ++p) {
+    ScopedContext current(cu_, primary_[p]);
+    GCMOE_CU(current.status());
+    header.rank = static_cast<uint32_t>(p);
+    GCMOE_CU(cu_.cuMemsetD8(ws_[p], 0, static_cast<size_t>(s.ws_total)));
+    GCMOE_CU(cu_.cuMemcpyHtoD(ws_[p], &header, sizeof(header)));
+    GCMOE_CU(cu_.cuMemcpyHtoD(ws_[p] + s.ws_silu_table, s.silu_table.data(), s.silu_table.size() * sizeof(float)));
+  }
+  return "";
+}
+
+PeerGroup::~PeerGroup() {
+  for (size_t p = 0; p < primary_.size(); ++p) {
+    if (primary_[p] == nullptr) continue;
+    {
+      ScopedContext current(cu_, primary_[p]);
+      if (ws_[p]) cu_.cuMemFree(ws_[p]);
+    }
+    cu_.cuDevicePrimaryCtxRelease(device_[p]);
+  }
+}
+
+// The group (of `spec->peer_devices`) holding `device` and its rank there; "" or why none.
+std::string FindPeerGroup(const VariantSpec& spec, CUdevice device, std::vector<int32_t>* group, int* rank) {
+  const size_t r = static_cast<size_t>(spec.ranks);
+  for (size_t i = 0; i < spec.peer_devices.size(); ++i) {
+    if (spec.peer_devices[i] != static_cast<int32_t>(device)) continue;
+    const size_t first = i / r * r;
+    group->assign(spec.peer_devices.begin() + first, spec.peer_devices.begin() + first + r);
+    *rank = static_cast<int>(i - first);
+    return "";
+  }
+  std::string list;
+  for (int32_t d : spec.peer_devices) list += (list.empty() ? "" : ", ") + std::to_string(d);
+  return "gcmoe_moe: the fused transport's call runs on device " + std::to_string(device) +
+         ", which is in none of its peer groups (devices " + list + ")";
+}
 
 std::shared_ptr<Runtime> Runtime::Get(const CudaDriver& cu, std::shared_ptr<const VariantSpec> spec,
                                       CUstream stream, int64_t tokens, float clamp, std::string* error) {
@@ -227,7 +345,7 @@ std::shared_ptr<Runtime> Runtime::Get(const CudaDriver& cu, std::shared_ptr<cons
   Sha256 sha;
   sha.Add(spec->digest).Add(tokens).Add(clamp).Add(device).Add(reinterpret_cast<uintptr_t>(stream));
   const Digest key = sha.Finish();
-  RuntimeCache& cache = Cache();
+  WeakCache<Runtime>& cache = Cache();
   std::lock_guard<std::mutex> lock(cache.mutex);
   for (auto it = cache.entries.begin(); it != cache.entries.end();) {  // drop entries whose call sites are gone
     it = it->second.expired() ? cache.entries.erase(it) : std::next(it);
@@ -235,6 +353,15 @@ std::shared_ptr<Runtime> Runtime::Get(const CudaDriver& cu, std::shared_ptr<cons
   if (auto hit = cache.entries[key].lock()) return hit;
   std::shared_ptr<Runtime> rt(new Runtime(cu));
   RelaxedCaptureMode relaxed(cu);
+  if (spec->ranks > 1) {  // the fused transport: this rank's workspace is its group's (every device in one group)
+    std::vector<int32_t> group;
+    *error = FindPeerGroup(*spec, device, &group, &rt->rank_);
+    if (error->empty()) rt->group_ = PeerGroup::Get(cu, spec, group, error);
+    if (!error->empty()) {
+      cache.entries.erase(key);
+      return nullptr;
+    }
+  }
   *error = rt->Init(std::move(spec), stream, tokens, clamp);
   if (!error->empty()) {
     cache.entries.erase(key);
@@ -330,21 +457,31 @@ std::string Runtime::Build(int64_t tokens, float clamp) {
     }
   }
 
-  // ---- Workspace: header (epoch 0, timeout, stall hook), silu table; the rest needs no initial value (epochs).
-  GCMOE_CU(cu_.cuMemAlloc(&workspace_, static_cast<size_t>(s.ws_total)));
-  GCMOE_CU(cu_.cuMemsetD8(workspace_, 0, static_cast<size_t>(s.ws_total)));
+  // ---- Workspace: header (epoch 0, timeout, stall hook), silu table; the rest needs no initial value (epochs). A
+  // rank of a peer group uses the group's workspace, initialised with the group (PeerGroup::Init).
+  if (group_ != nullptr) {
+    workspace_ = group_->workspace(rank_);
+  } else {
+    GCMOE_CU(cu_.cuMemAlloc(&workspace_, static_cast<size_t>(s.ws_total)));
+    GCMOE_CU(cu_.cuMemsetD8(workspace_, 0, static_cast<size_t>(s.ws_total)));
+  }
   void* host = nullptr;
   GCMOE_CU(cu_.cuMemHostAlloc(&host, sizeof(WorkspaceHeader), CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP));
   host_header_ = static_cast<WorkspaceHeader*>(host);
   std::memset(host_header_, 0, sizeof(WorkspaceHeader));
   CUdeviceptr mirror = 0;
   GCMOE_CU(cu_.cuMemHostGetDevicePointer(&mirror, host, 0));
-  WorkspaceHeader header{};
-  header.timeout_ns = s.timeout_ns;
-  header.stall_expert = -1;
-  header.host_mirror = mirror;
-  GCMOE_CU(cu_.cuMemcpyHtoD(workspace_, &header, sizeof(header)));
-  GCMOE_CU(cu_.cuMemcpyHtoD(workspace_ + s.ws_silu_table, s.silu_table.data(), s.silu_table.size() * sizeof(float)));
+  if (group_ != nullptr) {
+    GCMOE_CU(cu_.cuMemcpyHtoD(workspace_ + offsetof(WorkspaceHeader, host_mirror), &mirror, sizeof(mirror)));
+  } else {
+    WorkspaceHeader header{};
+    header.timeout_ns = s.timeout_ns;
+    header.stall_expert = -1;
+    header.host_mirror = mirror;
+    GCMOE_CU(cu_.cuMemcpyHtoD(workspace_, &header, sizeof(header)));
+    GCMOE_CU(cu_.cuMemcpyHtoD(workspace_ + s.ws_silu_table, s.silu_table.data(),
+                              s.silu_table.size() * sizeof(float)));
+  }
 
   // ---- The graph: roles 1 and 2 concurrent roots, role 3 after both.
   tokens_ = static_cast<int32_t>(tokens);
@@ -373,7 +510,7 @@ Runtime::~Runtime() {
   if (graph_) cu_.cuGraphDestroy(graph_);
   for (CUlibrary lib : library_)
     if (lib) cu_.cuLibraryUnload(lib);
-  if (workspace_) cu_.cuMemFree(workspace_);
+  if (workspace_ && group_ == nullptr) cu_.cuMemFree(workspace_);  // a group's workspace is the group's
   if (host_header_) cu_.cuMemFreeHost(host_header_);
   if (live_) g_live_runtimes.fetch_sub(1);
 }
@@ -554,15 +691,30 @@ std::string Runtime::SetStall(int32_t e) {
 #include "common.h"
 
 // Registers a kernel variant under `key` (gcmoe_jax/ffi/_cuda.py). `config`: capacity, dispatch_sms, timeout_ns,
-// ws_total, ws_silu_table (5 int64); `launch`: (grid, block, dynamic smem) of roles 1, 2, 3 (9 uint32); the three
+// ws_total, ws_silu_table[, planned compute SMs[, R ranks of the fused transport, then the CUDA ordinals of its peer
+// groups, group-major]] (int64); `launch`: (grid, block, dynamic smem) of roles 1, 2, 3 (9 uint32); the three
 // cubins; the silu table (65536 float32). Returns 0, or -1 with the reason in `error`.
 GCMOE_EXPORT int gcmoe_register_variant(const char* key, const int64_t* config, int num_config,
                                         const uint32_t* launch, const void* cubin1, int64_t size1,
                                         const void* cubin2, int64_t size2, const void* cubin3, int64_t size3,
                                         const float* silu_table, int64_t silu_entries, char* error, int error_size) {
-  if ((num_config != 5 && num_config != 6) || silu_entries != 65536) {
-    return gcmoe::FailWith("gcmoe_register_variant: expected 5 or 6 config values and 65536 silu entries, got " +
+  if (num_config < 5 || silu_entries != 65536) {
+    return gcmoe::FailWith("gcmoe_register_variant: expected at least 5 config values and 65536 silu entries, got " +
                                std::to_string(num_config) + " and " + std::to_string(silu_entries),
+                           error, error_size);
+  }
+  const int64_t ranks = num_config > 6 ? config[6] : 1;
+  const int64_t num_devices = num_config > 7 ? num_config - 7 : 0;
+  std::vector<int32_t> peer_devices(config + std::min<int64_t>(num_config, 7), config + num_config);
+  std::vector<int32_t> sorted = peer_devices;
+  std::sort(sorted.begin(), sorted.end());
+  const bool unique = std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end();
+  if (ranks < 1 || ranks > gcmoe::kMaxRanks || (ranks == 1) != (num_devices == 0) ||
+      (ranks > 1 && num_devices % ranks != 0) || !unique || (!sorted.empty() && sorted.front() < 0)) {
+    return gcmoe::FailWith("gcmoe_register_variant: the fused transport needs R in [2, " +
+                               std::to_string(gcmoe::kMaxRanks) + "] and its peer groups' device ordinals (R per "
+                               "group, each at most once); got R = " + std::to_string(ranks) + " and " +
+                               std::to_string(num_devices) + " ordinals",
                            error, error_size);
   }
   auto spec = std::make_shared<gcmoe::VariantSpec>();  // RegisterVariant adds its digest
@@ -572,6 +724,8 @@ GCMOE_EXPORT int gcmoe_register_variant(const char* key, const int64_t* config, 
   spec->ws_total = config[3];
   spec->ws_silu_table = config[4];
   spec->planned_compute_sms = num_config > 5 ? config[5] : 0;
+  spec->ranks = ranks;
+  spec->peer_devices = std::move(peer_devices);
   const void* cubins[3] = {cubin1, cubin2, cubin3};
   const int64_t sizes[3] = {size1, size2, size3};
   for (int r = 0; r < gcmoe::kNumRoles; ++r) {

@@ -69,6 +69,10 @@ struct VariantSpec {
   uint64_t timeout_ns = 0;   // bound of every spin-wait
   int64_t ws_total = 0, ws_silu_table = 0;
   int64_t planned_compute_sms = 0;  // the split gcmoe_jax.geometry planned (eq. 5); 0: not checked
+  // The fused transport across the GPUs of this process (docs/fused_transport.md): R ranks, and the CUDA ordinals of
+  // every peer group, group-major (R per group; every ordinal at most once). ranks == 1: a local variant.
+  int64_t ranks = 1;
+  std::vector<int32_t> peer_devices;
   std::array<RoleSpec, kNumRoles> role;
   std::vector<float> silu_table;  // 65536 entries
   Digest digest{};  // SHA-256 over everything above (cubins and the silu table by their own digests)
@@ -80,6 +84,8 @@ std::shared_ptr<const VariantSpec> FindVariant(const std::string& key);
 
 // Per-call device pointers, in kernel parameter order (abi.PARAMS[:13]).
 using PointerParams = std::array<CUdeviceptr, kNumPointerParams>;
+
+class PeerGroup;
 
 struct Partition {
   unsigned total_sms = 0, dispatch_sms = 0, compute_sms = 0, alignment = 0;
@@ -139,6 +145,8 @@ class Runtime {
   CUlibrary library_[kNumRoles] = {nullptr, nullptr, nullptr};
   CUkernel kernel_[kNumRoles] = {nullptr, nullptr, nullptr};
   CUdeviceptr workspace_ = 0;
+  std::shared_ptr<PeerGroup> group_;  // the fused transport's group whose workspace this rank uses (owns it)
+  int rank_ = 0;
   WorkspaceHeader* host_header_ = nullptr;  // pinned, mapped mirror of the fault record, written by role 3
   CUgraph graph_ = nullptr;
   CUgraphExec exec_ = nullptr;

@@ -217,7 +217,9 @@ def moe(x: jax.Array, w: ExpertWeights, routes: Routes, *, clamp: float | None =
       (docs/expert_parallel.md).
     ep_axis: under `jax.jit` on sharded global arrays: the mesh axis of the experts and tokens; XLA partitions
       the op into the per-rank program without gathering x, the routes or the weights.
-    transport: expert-parallel transport, ``"collective"`` (all_to_all) or ``"ragged"`` (GPU only).
+    transport: expert-parallel transport, ``"collective"`` (all_to_all), ``"ragged"`` (GPU only) or ``"fused"``
+      (the in-kernel peer exchange of docs/fused_transport.md: ``ep_axis`` with ``backend="cuda"``, one process
+      driving GPUs with peer access; not yet run on several GPUs).
     capacity: expert-parallel rows per peer (default: no overflow possible); overflow poisons tokens with NaN.
 
   Returns:
@@ -237,6 +239,9 @@ def moe(x: jax.Array, w: ExpertWeights, routes: Routes, *, clamp: float | None =
   if axis_name is not None and ep_axis is not None:
     raise ValueError(f"moe: pass axis_name (inside shard_map) or ep_axis (sharded global arrays), not both; got "
                      f"axis_name={axis_name!r}, ep_axis={ep_axis!r}")
+  if transport == "fused" and chosen != "cuda":
+    raise ValueError(f"moe: transport='fused' runs in the CUDA kernels (backend='cuda'), got backend={backend!r} "
+                     f"(running {chosen!r}); use transport='collective' there")
   ep = {"local_fn": _LOCAL_FNS[chosen], "clamp": clamp, "transport": transport, "capacity": capacity}
   if axis_name is not None:
     return sharding.moe_shard_map_body(x, w, ids, weights, axis_name=axis_name, **ep)

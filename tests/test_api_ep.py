@@ -127,3 +127,60 @@ def test_every_case_family_on_every_mesh_size(family, ranks, entry):
   y = f(*_placed(mesh, x, w, r))
   np.testing.assert_array_equal(np.asarray(y).view(np.uint16), want.view(np.uint16),
                                 err_msg=f"{family} R={ranks} {entry}")
+
+
+# ---- transport='fused' (issue 9): the wiring on CPU devices; the kernels run in tests/test_multigpu.py ------------
+
+
+def test_fused_transport_lowers_one_fused_call_per_rank_with_the_meshs_peer_groups(problem, monkeypatch):
+  """``ep_axis`` with transport='fused': each shard's program is one fused call over its tokens and L local experts,
+  given every rank's device (the kernels find their rank there); invalid ids are masked and their tokens NaN.
+  A stand-in replaces the CUDA call (the kernels need GPUs) and records what the shard program passes it."""
+  import jax.numpy as jnp
+  from gcmoe_jax import ffi
+
+  x, w, r, _ = problem
+  seen = []
+
+  def fake(x, w_local, ids, weights, *, clamp, peer_groups):
+    seen.append((x.shape, int(w_local.w13.shape[0]), ids.shape, peer_groups, clamp))
+    return jnp.where(ids.max(axis=1, keepdims=True) < 0, 0.0, 1.0).astype(jnp.bfloat16) + jnp.zeros_like(x)
+
+  monkeypatch.setattr(ffi, "moe_fused_call", fake)
+  ids = np.asarray(r.ids).copy()
+  ids[3, 1] = SHAPE.experts + 5  # an invalid id: its token comes back NaN and is counted
+  mesh = _mesh()
+  args = _placed(mesh, x, w, gm.Routes(ids, r.weights))
+  f = jax.jit(lambda x, w, ids, wt: sharding.moe_partitioned_with_stats(
+    x, w, ids, wt, local_fn=reference.moe_emulated, clamp=10.0, axis="ep", transport="fused"))
+  y, stats = f(*args)
+  b, k, local = SHAPE.tokens // R, SHAPE.top_k, SHAPE.experts // R
+  assert seen == [((b, SHAPE.hidden), local, (b, k), (tuple(d.local_hardware_id for d in mesh.devices.flat),), 10.0)]
+  y = np.asarray(y, np.float32)
+  assert np.isnan(y[3]).all() and not np.isnan(np.delete(y, 3, axis=0)).any()
+  valid = (ids >= 0) & (ids < SHAPE.experts)
+  load = max(np.sum((ids[p * b:(p + 1) * b] // local == q) & valid[p * b:(p + 1) * b]) for p in range(R)
+             for q in range(R))
+  assert (int(stats.overflow), int(stats.invalid), int(stats.max_load)) == (0, 1, load)
+
+
+def test_fused_transport_errors_name_what_to_use_instead(problem):
+  x, w, r, _ = problem
+  with pytest.raises(NotImplementedError, match=r"transport='fused' inside shard_map .* ep_axis=\.\.\. under jax.jit"):
+    sharding.moe_shard_map_body(x, w, r.ids, r.weights, axis_name="ep", local_fn=reference.moe_emulated,
+                                transport="fused")
+  with pytest.raises(ValueError, match=r"transport='fused' pulls every route and takes none, got capacity=4"):
+    sharding.moe_partitioned(x, w, r.ids, r.weights, local_fn=reference.moe_emulated, axis="ep",
+                             transport="fused", capacity=4)
+  with pytest.raises(ValueError, match=r"transport='fused' runs in the CUDA kernels \(backend='cuda'\), got "
+                                       r"backend='reference'"):
+    gm.moe(x, w, r, backend="reference", ep_axis="ep", transport="fused")
+
+
+def test_fused_peer_groups_follow_the_mesh_axis():
+  from gcmoe_jax.sharding import _partitioned
+  devices = jax.devices("cpu")[:8]
+  mesh = jax.make_mesh((2, 4), ("dp", "ep"), devices=devices)
+  ids = np.asarray([d.local_hardware_id for d in mesh.devices.flat]).reshape(2, 4)
+  assert _partitioned.peer_groups(mesh, "ep") == tuple(tuple(int(v) for v in row) for row in ids)
+  assert _partitioned.peer_groups(mesh, "dp") == tuple(tuple(int(v) for v in col) for col in ids.T)

@@ -417,3 +417,22 @@ def test_virtual_ranks_reject_bad_arguments_and_need_a_gpu(small_problem):
   if jax.default_backend() == "cpu":
     with pytest.raises(RuntimeError, match="CUDA backend cannot run here"):
       ffi.VirtualRanks(w, top_k=4, ranks=2, capacity=16, tokens=[1, 1])
+
+
+@pytest.mark.parametrize("ranks, devices, ok", [
+  (2, (0, 1), True), (2, (0, 1, 2, 3), True), (4, (3, 2, 1, 0), True),
+  (2, (0, 1, 2), False), (2, (0, 0), False), (1, (0, 1), False), (17, tuple(range(17)), False), (2, (-1, 0), False),
+])
+def test_fused_variant_registration_checks_its_peer_groups(ranks, devices, ok):
+  """The fused transport across GPUs registers R and its peer groups' CUDA ordinals (group-major); the library
+  refuses a ragged group, a device twice, ordinals without R > 1 and R past abi.MAX_RANKS, naming what it got."""
+  from gcmoe_jax.ffi import _cuda
+  config = (8, 6, 10**9, 4096, 256, 0, ranks, *devices)
+  call = lambda: _cuda.register_raw(f"fused-registration-{ranks}-{devices}", config, (0, 256, 0) * 3,
+                                    [b"\0"] * 3, reference.silu_table())
+  if ok:
+    call()
+  else:
+    with pytest.raises(RuntimeError, match=rf"the fused transport needs R in \[2, {abi.MAX_RANKS}\] and its peer "
+                                           rf"groups' device ordinals .* got R = {ranks} and {len(devices)} ordinals"):
+      call()

@@ -54,10 +54,13 @@ def _preset_paper() -> list[tuple[int, ...]]:
 def _preset_multigpu() -> list[tuple[int, ...]]:
   """tests/test_multigpu.py and `python -m gcmoe_jax.bench.ep` on 2, 4 and 8 GPUs: the collective transport's local
   op runs k = 1 over R * B * k rows (small shape: E/R = 8, B = 4, k = 1..4: 8 to 128 rows; the paper models at
-  L = E / R, B = 1..16: up to 256 rows at R = 2), and the owner's shared expert over B rows."""
+  L = E / R, B = 1..16: up to 256 rows at R = 2), the owner's shared expert over B rows, and the fused transport's
+  variants of the small shape."""
   small = [(512, 256, 8, 1, cap) for cap in (8, 16, 32, 64, 256)] + [(512, 256, 8, 1, 8, 256, 128)]
-  return small + [(m.H, m.I, m.E // r, 1, cap) for m in geometry.MODELS.values() for r in (2, 4, 8)
-                  for cap in (16, 32, 64, 256)]
+  # The fused transport across the GPUs (test_fused_transport_over_all_gpus_equals_the_oracle): L = 8, k = 4, B = 4.
+  fused = [(512, 256, 8, 4, 8, None, None, r) for r in (2, 4, 8)]
+  return small + fused + [(m.H, m.I, m.E // r, 1, cap) for m in geometry.MODELS.values() for r in (2, 4, 8)
+                          for cap in (16, 32, 64, 256)]
 
 
 def _preset_fused() -> list[tuple[int, ...]]:

@@ -15,6 +15,7 @@ from gcmoe_jax.ffi._moe import Flag as Flag
 from gcmoe_jax.ffi._moe import MoeAttrs as MoeAttrs
 from gcmoe_jax.ffi._moe import moe_call as moe_call
 from gcmoe_jax.ffi._moe import moe_ffi as moe_ffi
+from gcmoe_jax.ffi._moe import moe_fused_call as moe_fused_call
 from gcmoe_jax.ffi._moe import no_shared_operands as no_shared_operands
 from gcmoe_jax.ffi._cuda import debug_peer_probe as debug_peer_probe
 from gcmoe_jax.ffi._cuda import debug_set_stall_expert as debug_set_stall_expert

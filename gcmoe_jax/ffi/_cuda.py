@@ -106,7 +106,8 @@ def register_raw(key: str, config: tuple[int, ...], launch: tuple[int, ...], cub
   Args:
     key: the variant key (the ``variant`` attribute of calls that use it).
     config: (capacity, dispatch SMs requested, timeout ns, workspace bytes, silu table offset[, compute SMs the
-      geometry planned: the runtime rejects a driver split that differs; 0 or absent: not checked]).
+      geometry planned: the runtime rejects a driver split that differs; 0 or absent: not checked[, R ranks of the
+      fused transport, then the CUDA ordinals of its peer groups, group-major]]).
     launch: (grid, block, dynamic SMEM) of roles 1, 2, 3; grid 0 is the runtime's choice.
     cubins: the three role cubins. silu: the float32 table of `reference.silu_table`.
   """
@@ -128,7 +129,8 @@ def register_raw(key: str, config: tuple[int, ...], launch: tuple[int, ...], cub
 
 
 @functools.lru_cache(maxsize=None)
-def _register(arch: str, variant: build.Variant, dispatch_sms: int, compute_sms: int, timeout_ns: int) -> str:
+def _register(arch: str, variant: build.Variant, dispatch_sms: int, compute_sms: int, timeout_ns: int,
+              peer_devices: tuple[int, ...] = (), role1_grid: int = 0) -> str:
   ablation = _config.get("GCMOE_ABLATION")
   if ablation:
     # A timing build (docs/kernels_v2.md) must never pass for the operator: say so at every variant it serves.
@@ -138,20 +140,31 @@ def _register(arch: str, variant: build.Variant, dispatch_sms: int, compute_sms:
   built = build.load_or_build(arch, variant)
   ws = variant.workspace()
   key = f"{build.cache_key(arch, variant)}:d{dispatch_sms}:c{compute_sms}:t{timeout_ns}"
-  register_raw(key, (variant.capacity, dispatch_sms, timeout_ns, ws.total, ws.silu_table, compute_sms),
-               tuple(v for r in (1, 2, 3) for v in built.launch(r, compute_sms)), [built.cubin(r) for r in (1, 2, 3)],
-               reference.silu_table())
+  config = (variant.capacity, dispatch_sms, timeout_ns, ws.total, ws.silu_table, compute_sms)
+  launch = tuple(v for r in (1, 2, 3) for v in built.launch(r, compute_sms))
+  if variant.ranks > 1:
+    # The fused transport: R and the CUDA ordinals of every peer group, group-major; role 1 takes one CTA per
+    # dispatch SM, its pulls spread over the partition (as in `VirtualRanks`).
+    key += ":peers" + ",".join(map(str, peer_devices))
+    config += (variant.ranks, *peer_devices)
+    launch = (role1_grid, *launch[1:])
+  register_raw(key, config, launch, [built.cubin(r) for r in (1, 2, 3)], reference.silu_table())
   return key
 
 
 def prepare(hidden: int, intermediate: int, experts: int, top_k: int, tokens: int, shared_intermediate: int,
-            shared_group: int) -> str:
-  """Registers the kernel variant of a call and returns its key (the ``variant`` attribute)."""
+            shared_group: int, peer_groups: tuple[tuple[int, ...], ...] = ()) -> str:
+  """Registers the kernel variant of a call and returns its key (the ``variant`` attribute).
+
+  ``peer_groups``: for the fused transport across the GPUs of this process, the CUDA ordinals of every group of R
+  ranks (rank order; ``experts`` is then the L local experts of a rank); empty for a local call.
+  """
   s = device_arch()
   if not s.ok:
     raise RuntimeError(f"moe: backend='cuda' cannot run here: {s.reason}")
+  ranks = len(peer_groups[0]) if peer_groups else 1
   variant = build.Variant(hidden, intermediate, experts, top_k, capacity_for(tokens),
-                          shared_intermediate or None, shared_group or None)
+                          shared_intermediate or None, shared_group or None, ranks)
   timeout_ns = int(_config.get("GCMOE_WAIT_TIMEOUT_MS")) * 1_000_000
   # The green-context split is the geometry's (eq. 5) for this device's facts; the runtime checks that the driver's
   # split matches it.
@@ -159,7 +172,8 @@ def prepare(hidden: int, intermediate: int, experts: int, top_k: int, tokens: in
   partition, problems = geometry.split_sms(facts, int(_config.get("GC_MOE_SM120_DISPATCH_SMS")))
   if problems:
     raise ValueError("moe: the green-context split cannot run here: " + "; ".join(problems))
-  return _register(s.reason, variant, partition.dispatch_requested, partition.compute_sms, timeout_ns)
+  return _register(s.reason, variant, partition.dispatch_requested, partition.compute_sms, timeout_ns,
+                   tuple(d for g in peer_groups for d in g), partition.dispatch_sms if peer_groups else 0)
 
 
 def _process_counter(symbol: str) -> int:

@@ -175,6 +175,33 @@ def moe_call(x: jax.Array, w: ExpertWeights, ids: jax.Array, weights: jax.Array,
   return moe_ffi(x, w.w13, w.w13_scale, w.w2, w.w2_scale, ids, weights, *shared, attrs=attrs)
 
 
+def moe_fused_call(x: jax.Array, w_local: ExpertWeights, ids: jax.Array, weights: jax.Array, *,
+                   clamp: float | None, peer_groups: tuple[tuple[int, ...], ...]) -> jax.Array:
+  """One rank's call of the fused transport across the GPUs of this process (docs/fused_transport.md).
+
+  Called per shard (``ep_axis`` under `jax.jit`): ``x`` and the routes are this rank's B tokens, ``w_local`` its L
+  experts, ``ids`` global (rank p holds experts p L .. p L + L - 1). The rank is where the call runs: the handler
+  finds its device in ``peer_groups`` (the CUDA ordinals of every group of R ranks, in rank order). Every rank's
+  graph pulls its experts' rows from its peers' workspaces and returns GEMM2 rows to their owners in the kernels.
+
+  Raises:
+    ValueError: for B above the largest token capacity (the fused transport does not run in chunks).
+  """
+  if clamp is not None and not math.isfinite(clamp):
+    raise ValueError(f"moe: clamp must be finite, got {clamp}")
+  b = x.shape[0]
+  if b > _cuda.CAPACITIES[-1]:
+    raise ValueError(f"moe: transport='fused' runs at most {_cuda.CAPACITIES[-1]} tokens per rank and call, got "
+                     f"B = {b}; split the batch or use transport='collective'")
+  e, h, i, i_s, group = w_local.config
+  variant = _cuda.prepare(h, i, e, int(ids.shape[1]), max(int(b), 1), i_s or 0, group or 0, peer_groups)
+  attrs = MoeAttrs.from_weights(w_local, ids.shape[1], clamp, variant=variant,
+                                sync_check=bool(_config.get("GCMOE_SYNC_CHECK")))
+  s = w_local.shared
+  shared = no_shared_operands() if s is None else (s.s13, s.s13_scale, s.s2, s.s2_scale)
+  return moe_ffi(x, w_local.w13, w_local.w13_scale, w_local.w2, w_local.w2_scale, ids, weights, *shared, attrs=attrs)
+
+
 def in_chunks(call, x: jax.Array, ids: jax.Array, weights: jax.Array, rows: int) -> jax.Array:
   """``call(x, ids, weights)`` over chunks of at most ``rows`` tokens (a `jax.lax.map`, one call site).
 

@@ -32,8 +32,12 @@ class EPStats(NamedTuple):
   max_load: jax.Array
 
 
-def check_common(x: Any, w: Any, ids: Any, weights: Any, local_fn: Any, transport: Any, capacity: Any) -> None:
-  """Trace-time checks shared by both entry points (TypeError for types and ranks, ValueError for values)."""
+def check_common(x: Any, w: Any, ids: Any, weights: Any, local_fn: Any, transport: Any, capacity: Any, *,
+                 fused_ok: bool = False) -> None:
+  """Trace-time checks shared by both entry points (TypeError for types and ranks, ValueError for values).
+
+  ``fused_ok``: the entry point can run ``transport='fused'`` (the partitioned one, which sees the mesh's devices).
+  """
   if not isinstance(w, ExpertWeights):
     raise TypeError(f"moe: w must be gcmoe_jax.ExpertWeights, got {type(w).__name__}")
   if not callable(local_fn):
@@ -49,11 +53,16 @@ def check_common(x: Any, w: Any, ids: Any, weights: Any, local_fn: Any, transpor
   if ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
     raise ValueError(f"moe: ids and weights must have shape [T, k] with T = x.shape[0] = {x.shape[0]}, got "
                      f"{list(ids.shape)} and {list(weights.shape)}")
-  if transport == "fused":  # DESIGN §6's in-kernel peer exchange: planned (docs/fused_transport.md), not built
-    raise NotImplementedError("moe: transport='fused' (the in-kernel peer exchange) is not built yet; use "
-                              "'collective' (the default) or 'ragged'")
-  if transport not in tr.TRANSPORTS:
-    raise ValueError(f"moe: transport must be one of {tr.TRANSPORTS}, got {transport!r}")
+  if transport == "fused" and not fused_ok:
+    # The kernels' peer table needs every rank's device, which a shard_map body does not see.
+    raise NotImplementedError("moe: transport='fused' inside shard_map (axis_name) is not supported: the fused "
+                              "transport needs the mesh's devices; call gm.moe on sharded global arrays with "
+                              "ep_axis=... under jax.jit, or use transport='collective' (the default) or 'ragged'")
+  if transport not in (*tr.TRANSPORTS, "fused"):
+    raise ValueError(f"moe: transport must be one of {(*tr.TRANSPORTS, 'fused')}, got {transport!r}")
+  if transport == "fused" and capacity is not None:
+    raise ValueError(f"moe: capacity applies to the collective transports (rows per peer); transport='fused' pulls "
+                     f"every route and takes none, got capacity={capacity}")
   if capacity is not None:
     if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
       raise TypeError(f"moe: capacity must be an int or None, got {type(capacity).__name__}")
