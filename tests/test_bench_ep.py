@@ -48,6 +48,16 @@ def test_floor_is_the_busiest_ranks_distinct_experts():
   assert got == pytest.approx(1e6 * np.mean(busiest) * 1e6 / 1e12) and got > 0
 
 
+def test_fused_rows_run_gm_moe_on_sharded_global_arrays_and_say_why_not_here():
+  """A fused row is `gm.moe(..., ep_axis="ep", transport="fused")` under jit (the kernels need the mesh's devices):
+  on the CPU backend it keeps its row with the reason; the baseline has no fused transport."""
+  rows = ep.run(TINY, R, [1], ["gcmoe:cpu"], ["fused"], iters=1, warmup=1, chain=1, bandwidth=1e11)
+  assert [(r.impl, r.transport) for r in rows] == [("gcmoe:cpu", "fused")] and np.isnan(rows[0].latency_us)
+  assert "transport='fused' runs in the CUDA kernels (backend='cuda'), got backend='cpu'" in rows[0].note
+  with pytest.raises(ValueError, match="the baseline has no fused transport"):
+    ep.program(TINY, R, 1, "baseline", "fused", chain=1)
+
+
 def test_run_keeps_a_row_for_every_point_with_the_reason(tmp_path):
   seen = []
   rows = ep.run(TINY, R, [1], ["gcmoe:cpu", "baseline"], iters=1, warmup=1, chain=1, bandwidth=1e11,

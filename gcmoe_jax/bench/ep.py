@@ -3,7 +3,9 @@
 Times ``gm.moe(..., backend=b, axis_name="ep", transport=t)`` inside `jax.shard_map` over the first R devices on
 the paper's per-rank shapes (L = E / R local experts, B tokens per rank), against the JAX user's expert-parallel
 baseline: the same exchange over ``ragged_all_to_all`` with BF16 `jax.lax.ragged_dot` experts (``baseline``; GPU
-only, XLA:CPU does not implement ``ragged_all_to_all``).
+only, XLA:CPU does not implement ``ragged_all_to_all``). ``transport="fused"`` rows run ``gm.moe(...,
+ep_axis="ep", transport="fused")`` on the sharded global arrays under `jax.jit` instead (the in-kernel transport
+needs the mesh's devices; CUDA only), so fused and collective compare on the same shapes in one run.
 
 Timing is `sweep`'s: one jitted program chains ``chain`` layers (each layer's output is the next one's tokens,
 fresh routes per layer, two alternating weight copies), the median over ``iters`` runs of program time / chain.
@@ -124,6 +126,24 @@ def program(shape: sweep.BenchShape, ranks: int, batch: int, impl: str, transpor
       return api.moe(x, read, api.Routes(ids, rw), clamp=shape.clamp, backend=backend, axis_name="ep",
                      transport=transport)
 
+  tokens = NamedSharding(mesh, P("ep"))
+  routes_spec = P(None, "ep")
+  per_layer = NamedSharding(mesh, routes_spec)
+  args = (jax.device_put(x, tokens), q, copies, jax.device_put(ids, per_layer), jax.device_put(rw, per_layer))
+  if transport == "fused":
+    # The in-kernel transport sees the mesh's devices only on sharded global arrays (ep_axis under jit).
+    if impl == "baseline":
+      raise ValueError("bench.ep: the baseline has no fused transport")
+
+    def fused(x, q, copies, ids, rw):
+      del q
+      for n in range(chain):
+        x = api.moe(x, copies[n % 2], api.Routes(ids[n], rw[n]), clamp=shape.clamp, backend=backend, ep_axis="ep",
+                    transport="fused")
+      return x
+
+    return jax.jit(fused), args
+
   def body(x, q, copies, ids, rw):
     for n in range(chain):
       x = layer(x, q, copies[n % 2], ids[n], rw[n])
@@ -131,12 +151,8 @@ def program(shape: sweep.BenchShape, ranks: int, batch: int, impl: str, transpor
 
   qspec = sharding.expert_specs(q)
   rspec = (P("ep"), P("ep")) if impl == "baseline" else qspec
-  routes_spec = P(None, "ep")
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"), qspec, (rspec, rspec), routes_spec, routes_spec),
                             out_specs=P("ep")))
-  tokens = NamedSharding(mesh, P("ep"))
-  per_layer = NamedSharding(mesh, routes_spec)
-  args = (jax.device_put(x, tokens), q, copies, jax.device_put(ids, per_layer), jax.device_put(rw, per_layer))
   return f, args
 
 
@@ -245,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--ranks", type=int, default=None, help="mesh size R (default: every device)")
   p.add_argument("--batch", default="1,2,4,8,16", help="tokens per rank, a comma list")
   p.add_argument("--impl", default="gcmoe:cuda,baseline", help="gcmoe:<backend> and/or baseline")
-  p.add_argument("--transport", default="collective,ragged", help="transports of the gcmoe rows")
+  p.add_argument("--transport", default="collective,ragged",
+                 help="transports of the gcmoe rows: collective, ragged, fused (gcmoe:cuda on GPUs of one process)")
   p.add_argument("--iters", type=int, default=10)
   p.add_argument("--chain", type=int, default=sweep.DEFAULT_CHAIN)
   p.add_argument("--out", default=None, help="directory for the CSV and PNG (default: print only)")
