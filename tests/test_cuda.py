@@ -96,7 +96,7 @@ def _paper_weights(model, shared):
 
 @pytest.mark.parametrize("model", sorted(PAPER))
 @pytest.mark.parametrize("shared", [False, True], ids=["routed", "shared"])
-@pytest.mark.parametrize("batch", [1, 8, 64, 256])
+@pytest.mark.parametrize("batch", [1, 8, 32, 64, 256])  # one per token capacity but 16
 def test_paper_per_rank_shapes(model, shared, batch):
   h, i, e, k = PAPER[model]
   w = _paper_weights(model, shared)
