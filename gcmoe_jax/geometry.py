@@ -515,15 +515,16 @@ def split_virtual_ranks(device: Device, ranks: int, dispatch_sms: int | None = N
   if d < 1:
     bad.append(f"dispatch_sms must be >= 1, got {d}")
     d = 1
-  dispatch = max(a * -(-d // a), device.min_partition_sms)
-  compute = a * ((total - ranks * dispatch) // (ranks * a)) if total > ranks * dispatch else 0
-  if groups is not None:
+  if groups is None:
+    dispatch = max(a * -(-d // a), device.min_partition_sms)
+    compute = a * ((total - ranks * dispatch) // (ranks * a)) if total > ranks * dispatch else 0
+  else:
     _check_int("groups", groups)
     g = device.min_partition_sms
     if not 0 <= groups * g <= total:
       raise ValueError(f"split_virtual_ranks: groups must be in [0, {total // g}] ({g}-SM groups of {total} SMs), "
                        f"got {groups}")
-    dispatch = g * -(-max(d, 1) // g)
+    dispatch = g * -(-d // g)
     compute = max(0, (groups // ranks) * g - dispatch)
   if compute == 0:
     bad.append(f"{ranks} ranks need {ranks} dispatch groups of {dispatch} SMs and at least {a} compute SMs each, "

@@ -306,44 +306,6 @@ def test_fused_roles_synchronise_at_system_scope(cache):
   assert ".sys" not in _ptx(local, 2)
 
 
-def _prmt(a: int, b: int, c: int) -> int:
-  """PTX ``prmt.b32`` (default mode): byte i of the result is byte (c >> 4 i) & 7 of {b, a}, or, when bit 3 of that
-  selector nibble is set, that byte's sign bit replicated."""
-  src = (a & 0xFFFFFFFF).to_bytes(4, "little") + (b & 0xFFFFFFFF).to_bytes(4, "little")
-  out = 0
-  for i in range(4):
-    sel = (c >> (4 * i)) & 0xF
-    byte = src[sel & 7]
-    if sel & 8:
-      byte = 0xFF if byte & 0x80 else 0
-    out |= byte << (8 * i)
-  return out
-
-
-@needs_dsl
-def test_e2m1_decode_tables_give_twice_the_value_of_every_code():
-  """The int8 MMA operand of role 2 on sm_90a is 2 w for each E2M1 code w: the one-plane decode (`_dec4`: two
-  table lookups and a sign select) and the split decode of narrow passes (P on the raw nibbles, N on the magnitudes,
-  P + N through two MMAs into one accumulator) must both give it, for all 16 codes in every byte position."""
-  from gcmoe_jax import formats
-  from gcmoe_jax.kernels import roles_v2 as r2
-  import numpy as np
-  want = [int(2 * v) for v in np.asarray(formats.decode_e2m1(np.arange(16)))]
-  signed = lambda byte: byte - 256 if byte & 0x80 else byte
-  for first in range(16):
-    codes = [(first + 5 * i) % 16 for i in range(4)]
-    w = sum(c << (4 * i) for i, c in enumerate(codes))
-    pos = _prmt(r2.POS_LO, r2.POS_HI, w & 0x7777)
-    neg = _prmt(r2.NEG_LO, r2.NEG_HI, w & 0x7777)
-    m = _prmt(r2.SIGN_SELECT, 0, (w >> 3) & 0x1111)
-    one_plane = (pos & ~m) | (neg & m)
-    p = _prmt(r2.POS2_LO, r2.POS2_HI, w)
-    n = _prmt(r2.NEG_LO, r2.NEG_HI, w & 0x7777)
-    for i, c in enumerate(codes):
-      assert signed((one_plane >> (8 * i)) & 0xFF) == want[c], (c, i)
-      assert signed((p >> (8 * i)) & 0xFF) + signed((n >> (8 * i)) & 0xFF) == want[c], (c, i)
-
-
 def test_an_ablation_build_has_its_own_cubin_key(monkeypatch):
   """GCMOE_ABLATION timing builds (wrong results by design) can never be loaded for a normal run: the ablation is in
   the key; a malformed value is rejected naming the variable."""

@@ -52,6 +52,23 @@ def test_e2m1_decode_tables_give_2w_for_every_code():
     assert _dec4(word) == want, (hex(word), codes)
 
 
+def test_split_decode_of_narrow_passes_gives_2w_for_every_code():
+  """Passes of at most 16 tokens decode 2 w = P + N (`roles_v2._stage`): P on the raw nibbles (a set sign bit picks
+  prmt's sign-replicate mode, so a negative code gives 0), N = -|2 w| on the magnitudes; the two MMAs into one
+  accumulator then sum to the one-plane operand."""
+  u = lambda v: v & 0xFFFFFFFF  # noqa: E731
+  signed = lambda v, i: int(np.int8(np.uint8((v >> (8 * i)) & 0xFF)))  # noqa: E731
+  rng = np.random.default_rng(2)
+  for _ in range(2000):
+    codes = rng.integers(0, 16, 4)
+    word = sum(int(c) << (4 * i) for i, c in enumerate(codes)) | (int(rng.integers(0, 1 << 16)) << 16)
+    p = _prmt(u(r2.POS2_LO), u(r2.POS2_HI), word)
+    n = _prmt(u(r2.NEG_LO), u(r2.NEG_HI), word & 0x7777)
+    want = [int(E2M1_X2[c & 7]) * (-1 if c & 8 else 1) for c in codes]
+    assert [signed(p, i) + signed(n, i) for i in range(4)] == want, (hex(word), codes)
+    assert all(0 <= signed(p, i) <= 24 and -12 <= signed(n, i) <= 0 for i in range(4))
+
+
 def test_digit_planes_rebuild_every_e4m3_value_within_int8():
   n = np.concatenate([E4M3_INTS, -E4M3_INTS])
   m = np.abs(n)

@@ -156,8 +156,7 @@ def moe_call(x: jax.Array, w: ExpertWeights, ids: jax.Array, weights: jax.Array,
   Returns:
     bfloat16 ``[T, H]``, bit-identical to `reference.moe_emulated` on the CPU handler.
   """
-  if clamp is not None and not math.isfinite(clamp):
-    raise ValueError(f"moe: clamp must be finite, got {clamp}")
+  _check_clamp(clamp)
   kw = {}
   if backend == "cuda" and x.shape[0] == 0:
     return jnp.zeros((0, w.hidden), jnp.bfloat16)  # nothing to launch (the CPU handler takes T = 0 itself)
@@ -169,7 +168,16 @@ def moe_call(x: jax.Array, w: ExpertWeights, ids: jax.Array, weights: jax.Array,
     e, h, i, i_s, group = w.config
     kw = {"variant": _cuda.prepare(h, i, e, int(ids.shape[1]), int(x.shape[0]), i_s or 0, group or 0),
           "sync_check": bool(_config.get("GCMOE_SYNC_CHECK"))}
-  attrs = MoeAttrs.from_weights(w, ids.shape[1], clamp, **kw)
+  return _moe_on(x, w, ids, weights, MoeAttrs.from_weights(w, ids.shape[1], clamp, **kw))
+
+
+def _check_clamp(clamp: float | None) -> None:
+  if clamp is not None and not math.isfinite(clamp):
+    raise ValueError(f"moe: clamp must be finite, got {clamp}")
+
+
+def _moe_on(x: jax.Array, w: ExpertWeights, ids: jax.Array, weights: jax.Array, attrs: MoeAttrs) -> jax.Array:
+  """`moe_ffi` over the buffers of ``w`` (placeholders for an absent shared expert)."""
   s = w.shared
   shared = no_shared_operands() if s is None else (s.s13, s.s13_scale, s.s2, s.s2_scale)
   return moe_ffi(x, w.w13, w.w13_scale, w.w2, w.w2_scale, ids, weights, *shared, attrs=attrs)
@@ -187,8 +195,7 @@ def moe_fused_call(x: jax.Array, w_local: ExpertWeights, ids: jax.Array, weights
   Raises:
     ValueError: for B above the largest token capacity (the fused transport does not run in chunks).
   """
-  if clamp is not None and not math.isfinite(clamp):
-    raise ValueError(f"moe: clamp must be finite, got {clamp}")
+  _check_clamp(clamp)
   b = x.shape[0]
   if b > _cuda.CAPACITIES[-1]:
     raise ValueError(f"moe: transport='fused' runs at most {_cuda.CAPACITIES[-1]} tokens per rank and call, got "
@@ -197,9 +204,7 @@ def moe_fused_call(x: jax.Array, w_local: ExpertWeights, ids: jax.Array, weights
   variant = _cuda.prepare(h, i, e, int(ids.shape[1]), max(int(b), 1), i_s or 0, group or 0, peer_groups)
   attrs = MoeAttrs.from_weights(w_local, ids.shape[1], clamp, variant=variant,
                                 sync_check=bool(_config.get("GCMOE_SYNC_CHECK")))
-  s = w_local.shared
-  shared = no_shared_operands() if s is None else (s.s13, s.s13_scale, s.s2, s.s2_scale)
-  return moe_ffi(x, w_local.w13, w_local.w13_scale, w_local.w2, w_local.w2_scale, ids, weights, *shared, attrs=attrs)
+  return _moe_on(x, w_local, ids, weights, attrs)
 
 
 def in_chunks(call, x: jax.Array, ids: jax.Array, weights: jax.Array, rows: int) -> jax.Array:
