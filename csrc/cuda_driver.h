@@ -68,7 +68,8 @@ namespace gcmoe {
   X(cuLaunchKernel) \
   X(cuMemcpyDtoH) \
   X(cuStreamDestroy) \
-  X(cuStreamCreate)
+  X(cuStreamCreate) \
+  X(cuTensorMapEncodeTiled)
 
 struct CudaDriver {
 #define GCMOE_CUDA_DRIVER_MEMBER(name) decltype(&::name) name = nullptr;

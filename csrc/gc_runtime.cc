@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstddef>
+#include <cstdio>
 #include <cstring>
 #include <iterator>
 #include <map>
@@ -94,6 +95,9 @@ void RegisterVariant(const std::string& key, std::shared_ptr<VariantSpec> spec) 
   sha.Add(spec->capacity).Add(spec->dispatch_sms).Add(spec->timeout_ns).Add(spec->ws_total).Add(spec->ws_silu_table);
   sha.Add(spec->planned_compute_sms).Add(spec->ranks);
   for (int32_t d : spec->peer_devices) sha.Add(d);
+  for (const TensorMapSpec& m : spec->tensormaps) {
+    sha.Add(m.param).Add(m.dtype).Add(m.dim0).Add(m.dim1).Add(m.row_stride).Add(m.box0).Add(m.box1).Add(m.swizzle);
+  }
   for (const RoleSpec& r : spec->role) {
     sha.Add(r.grid).Add(r.block).Add(r.smem);
     sha.Add(Sha256().Update(r.cubin.data(), r.cubin.size()).Finish());
@@ -489,6 +493,8 @@ std::string Runtime::Build(int64_t tokens, float clamp) {
   for (int p = 0; p < kNumPointerParams; ++p) param_ptrs_[p] = &ptrs_[p];
   param_ptrs_[kNumPointerParams] = &tokens_;
   param_ptrs_[kNumPointerParams + 1] = &clamp_;
+  for (int p = 0; p < kNumAbiParams; ++p) role2_param_ptrs_[p] = param_ptrs_[p];
+  for (int m = 0; m < kMaxTensorMaps; ++m) role2_param_ptrs_[kNumAbiParams + m] = &tensormaps_[m];
   ptrs_[12] = workspace_;
   GCMOE_CU(cu_.cuGraphCreate(&graph_, 0));
   for (int r = 0; r < kNumRoles; ++r) {
@@ -525,12 +531,40 @@ CUDA_KERNEL_NODE_PARAMS Runtime::NodeParams(int r) {
   p.blockDimX = launch_[r].block;
   p.blockDimY = p.blockDimZ = 1;
   p.sharedMemBytes = launch_[r].smem;
-  p.kernelParams = param_ptrs_;
+  p.kernelParams = r == 1 ? role2_param_ptrs_ : param_ptrs_;
   return p;
+}
+
+std::string Runtime::EncodeTensorMaps() {
+  for (size_t i = 0; i < spec_->tensormaps.size(); ++i) {
+    const TensorMapSpec& m = spec_->tensormaps[i];
+    const CUdeviceptr base = ptrs_[m.param];
+    tensormaps_[i] = CUtensorMap{};
+    if (base == 0) continue;  // the template graph before the first call: nothing reads it
+    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(m.dim0), static_cast<cuuint64_t>(m.dim1)};
+    const cuuint64_t strides[1] = {static_cast<cuuint64_t>(m.row_stride)};
+    const cuuint32_t box[2] = {static_cast<cuuint32_t>(m.box0), static_cast<cuuint32_t>(m.box1)};
+    const cuuint32_t element_strides[2] = {1, 1};
+    CUresult rc = cu_.cuTensorMapEncodeTiled(
+        &tensormaps_[i], static_cast<CUtensorMapDataType>(m.dtype), 2, reinterpret_cast<void*>(base), dims, strides,
+        box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, static_cast<CUtensorMapSwizzle>(m.swizzle),
+        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (rc != CUDA_SUCCESS) {
+      char at[32];
+      snprintf(at, sizeof(at), "0x%llx", static_cast<unsigned long long>(base));
+      return CudaErrorMessage(cu_, rc, "cuTensorMapEncodeTiled", __FILE__, __LINE__) + " (role 2 TensorMap " +
+             std::to_string(i) + " of kernel parameter " + std::to_string(m.param) + " at " + at + ": " +
+             std::to_string(m.dim0) + " x " + std::to_string(m.dim1) + " elements, box " + std::to_string(m.box0) +
+             " x " + std::to_string(m.box1) + ")";
+    }
+  }
+  return "";
 }
 
 std::string Runtime::SetParams(const PointerParams& ptrs, bool exec) {
   for (int p = 0; p < kNumPointerParams; ++p) ptrs_[p] = p == 12 ? workspace_ : ptrs[p];
+  std::string err = EncodeTensorMaps();
+  if (!err.empty()) return err;
   for (int r = 0; r < kNumRoles; ++r) {
     const CUDA_KERNEL_NODE_PARAMS p = NodeParams(r);
     if (exec) {
@@ -563,6 +597,11 @@ std::string Runtime::ReadFault(CUstream stream) {
                                     std::to_string(h->error_observed) + " row tiles arrived";
     msg += " within " + std::to_string(spec_->timeout_ns / 1000000) +
            " ms, GCMOE_WAIT_TIMEOUT_MS: a peer stalled or died; the outputs of that call were set to NaN)";
+  } else if (h->error_role == 2 && (h->error_counter & 0xffff0000u) == 0x80000u) {  // abi.WAIT_PIPE
+    msg += " (role 2's pipeline waited longer than " + std::to_string(spec_->timeout_ns / 1000000) +
+           " ms, GCMOE_WAIT_TIMEOUT_MS, for the copies of K128 block " + std::to_string(h->error_observed) +
+           " (a TMA or bulk copy that never completed: a bad weight pointer or TensorMap); the outputs of that call "
+           "were set to NaN)";
   } else {
     msg += " (a spin-wait exceeded its bound of " + std::to_string(spec_->timeout_ns / 1000000) +
            " ms, GCMOE_WAIT_TIMEOUT_MS; the outputs of that call were set to NaN)";
@@ -693,11 +732,13 @@ std::string Runtime::SetStall(int32_t e) {
 // Registers a kernel variant under `key` (gcmoe_jax/ffi/_cuda.py). `config`: capacity, dispatch_sms, timeout_ns,
 // ws_total, ws_silu_table[, planned compute SMs[, R ranks of the fused transport, then the CUDA ordinals of its peer
 // groups, group-major]] (int64); `launch`: (grid, block, dynamic smem) of roles 1, 2, 3 (9 uint32); the three
-// cubins; the silu table (65536 float32). Returns 0, or -1 with the reason in `error`.
+// cubins; the silu table (65536 float32); role 2's TensorMaps (abi.tensormap_fields, 8 int64 each, formal order).
+// Returns 0, or -1 with the reason in `error`.
 GCMOE_EXPORT int gcmoe_register_variant(const char* key, const int64_t* config, int num_config,
                                         const uint32_t* launch, const void* cubin1, int64_t size1,
                                         const void* cubin2, int64_t size2, const void* cubin3, int64_t size3,
-                                        const float* silu_table, int64_t silu_entries, char* error, int error_size) {
+                                        const float* silu_table, int64_t silu_entries, const int64_t* tensormaps,
+                                        int num_tensormap_values, char* error, int error_size) {
   if (num_config < 5 || silu_entries != 65536) {
     return gcmoe::FailWith("gcmoe_register_variant: expected at least 5 config values and 65536 silu entries, got " +
                                std::to_string(num_config) + " and " + std::to_string(silu_entries),
@@ -717,7 +758,31 @@ GCMOE_EXPORT int gcmoe_register_variant(const char* key, const int64_t* config, 
                                std::to_string(num_devices) + " ordinals",
                            error, error_size);
   }
+  const int num_maps = num_tensormap_values / gcmoe::kTensorMapFields;
+  if (num_tensormap_values % gcmoe::kTensorMapFields != 0 || num_maps > gcmoe::kMaxTensorMaps) {
+    return gcmoe::FailWith("gcmoe_register_variant: role 2's TensorMaps take " +
+                               std::to_string(gcmoe::kTensorMapFields) + " values each, at most " +
+                               std::to_string(gcmoe::kMaxTensorMaps) + " maps; got " +
+                               std::to_string(num_tensormap_values) + " values",
+                           error, error_size);
+  }
+  std::vector<gcmoe::TensorMapSpec> maps(num_maps);
+  for (int i = 0; i < num_maps; ++i) {
+    const int64_t* f = tensormaps + i * gcmoe::kTensorMapFields;
+    maps[i] = gcmoe::TensorMapSpec{f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7]};
+    const gcmoe::TensorMapSpec& m = maps[i];
+    if (m.param < 0 || m.param >= gcmoe::kNumPointerParams || m.dim0 < 1 || m.dim1 < 1 || m.row_stride % 16 != 0 ||
+        m.box0 < 1 || m.box0 > 256 || m.box1 < 1 || m.box1 > 256 || m.swizzle < 0 || m.swizzle > 3) {
+      return gcmoe::FailWith("gcmoe_register_variant: TensorMap " + std::to_string(i) + " is malformed (param " +
+                                 std::to_string(m.param) + ", dims " + std::to_string(m.dim0) + " x " +
+                                 std::to_string(m.dim1) + ", row stride " + std::to_string(m.row_stride) +
+                                 ", box " + std::to_string(m.box0) + " x " + std::to_string(m.box1) + ", swizzle " +
+                                 std::to_string(m.swizzle) + ")",
+                             error, error_size);
+    }
+  }
   auto spec = std::make_shared<gcmoe::VariantSpec>();  // RegisterVariant adds its digest
+  spec->tensormaps = std::move(maps);
   spec->capacity = config[0];
   spec->dispatch_sms = config[1];
   spec->timeout_ns = static_cast<uint64_t>(config[2]);

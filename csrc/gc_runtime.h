@@ -34,6 +34,15 @@ namespace gcmoe {
 
 inline constexpr int kNumRoles = 3;
 inline constexpr int kNumPointerParams = 13;  // gcmoe_jax/kernels/abi.py PARAMS
+inline constexpr int kNumAbiParams = kNumPointerParams + 2;  // then tokens and clamp
+inline constexpr int kMaxTensorMaps = 4;     // role 2's by-value TensorMaps after the ABI's formals
+inline constexpr int kTensorMapFields = 8;   // abi.TENSORMAP_FIELDS
+
+// One TensorMap of role 2 (abi.tensormap_fields): the ABI pointer it maps, its CUtensorMapDataType, two dimensions
+// (elements), the row stride (bytes), the box, the CUtensorMapSwizzle.
+struct TensorMapSpec {
+  int64_t param = 0, dtype = 0, dim0 = 0, dim1 = 0, row_stride = 0, box0 = 0, box1 = 0, swizzle = 0;
+};
 
 // Header fields of the workspace (gcmoe_jax/kernels/abi.py HEADER); tests check that the two agree.
 struct WorkspaceHeader {
@@ -74,6 +83,7 @@ struct VariantSpec {
   int64_t ranks = 1;
   std::vector<int32_t> peer_devices;
   std::array<RoleSpec, kNumRoles> role;
+  std::vector<TensorMapSpec> tensormaps;  // role 2's, in formal order (none for v1 and for test kernels)
   std::vector<float> silu_table;  // 65536 entries
   Digest digest{};  // SHA-256 over everything above (cubins and the silu table by their own digests)
 };
@@ -133,6 +143,7 @@ class Runtime {
   std::string ReadFault(CUstream stream);   // this runtime's fault record, cleared ("" when none)
   std::string CheckFault(CUstream stream);  // ReadFault through the process's FaultBoard
   std::string SetParams(const PointerParams& ptrs, bool exec);
+  std::string EncodeTensorMaps();  // role 2's TensorMaps from ptrs_ (a null base pointer leaves its map zeroed)
   CUDA_KERNEL_NODE_PARAMS NodeParams(int role);  // role r's kernel node: kernel, green context, launch, params
 
   const CudaDriver& cu_;
@@ -155,7 +166,9 @@ class Runtime {
   PointerParams ptrs_{};
   int32_t tokens_ = 0;
   float clamp_ = 0.0f;
-  void* param_ptrs_[kNumPointerParams + 2] = {};
+  void* param_ptrs_[kNumAbiParams] = {};
+  CUtensorMap tensormaps_[kMaxTensorMaps] = {};  // 64-byte aligned by its type
+  void* role2_param_ptrs_[kNumAbiParams + kMaxTensorMaps] = {};  // the ABI's, then &tensormaps_[i]
   int32_t stall_applied_ = -1;
   bool exec_params_set_ = false;  // the instantiated graph's nodes hold ptrs_
   std::mutex mutex_;  // call sites sharing this Runtime may call from several threads

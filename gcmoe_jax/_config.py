@@ -26,8 +26,8 @@ def _kernels(text: str) -> str:
 
 
 def _ablation(text: str) -> str:
-  if text not in ("", "nomath", "nogemm2", "widedecode"):
-    raise ValueError("expected nomath, nogemm2, widedecode or empty")
+  if text not in ("", "nomath", "nogemm2", "widedecode", "tma"):
+    raise ValueError("expected nomath, nogemm2, widedecode, tma or empty")
   return text
 
 
@@ -49,7 +49,9 @@ VARS = {v.name: v for v in (
   Var("GCMOE_ABLATION", _ablation, "", "benchmarking only, results are WRONG: build role 2 (v2) with one part left "
                                        "out to attribute its time (nomath: no weight decode, MMA or epilogue math "
                                        "per stage; nogemm2: no GEMM2 items; widedecode: the one-plane E2M1 decode "
-                                       "in narrow passes too, results exact, for A/B timing); part of the cubin key"),
+                                       "in narrow passes too, results exact, for A/B timing; tma: the TMA "
+                                       "producer of sm_120a on sm_90a too, results exact, for A/B timing); part "
+                                       "of the cubin key"),
   Var("GCMOE_WAIT_TIMEOUT_MS", int, 2000, "bound of every device spin-wait; expiry becomes a Python exception"),
   Var("GCMOE_SYNC_CHECK", _bool, False, "synchronise after each CUDA call and raise a device fault at once "
                                         "(tests, debugging); otherwise it is raised by the next call"),

@@ -436,3 +436,38 @@ def test_fused_variant_registration_checks_its_peer_groups(ranks, devices, ok):
     with pytest.raises(RuntimeError, match=rf"the fused transport needs R in \[2, {abi.MAX_RANKS}\] and its peer "
                                            rf"groups' device ordinals .* got R = {ranks} and {len(devices)} ordinals"):
       call()
+
+
+def _w13_map(**change) -> dict:
+  m = dict(name="w13_map", param="w13", dtype="uint8", dims=[64, 8 * 4 * 512], row_stride=64, box=[64, 128],
+           swizzle=64)
+  m.update(change)
+  return m
+
+
+@pytest.mark.parametrize("maps, message", [
+  ([_w13_map()], None),
+  ([_w13_map(), _w13_map(param="w2")], None),
+  ([_w13_map(box=[64, 300])], r"TensorMap 0 is malformed \(param 3, dims 64 x 16384, row stride 64, box 64 x 300"),
+  ([_w13_map(row_stride=72)], r"TensorMap 0 is malformed .* row stride 72,"),
+  ([_w13_map(dims=[64, 0])], r"TensorMap 0 is malformed .* dims 64 x 0,"),
+])
+def test_tensormap_registration_checks_each_map(maps, message):
+  """Role 2's TensorMaps reach the library as `abi.tensormap_fields` rows; a malformed row is refused at
+  registration, naming the map and its fields (a CUDA encode would otherwise fail at the first call)."""
+  from gcmoe_jax.ffi import _cuda
+  fields = tuple(f for m in maps for f in abi.tensormap_fields(m))
+  call = lambda: _cuda.register_raw(f"tensormaps-{fields}", (8, 6, 10**9, 4096, 256), (0, 256, 0) * 3, [b"\0"] * 3,
+                                    reference.silu_table(), fields)
+  if message is None:
+    call()
+  else:
+    with pytest.raises(RuntimeError, match=message):
+      call()
+
+
+def test_tensormap_rows_must_be_whole():
+  from gcmoe_jax.ffi import _cuda
+  with pytest.raises(RuntimeError, match=r"role 2's TensorMaps take 8 values each, at most 4 maps; got 7 values"):
+    _cuda.register_raw("tensormaps-ragged", (8, 6, 10**9, 4096, 256), (0, 256, 0) * 3, [b"\0"] * 3,
+                       reference.silu_table(), tuple(range(7)))

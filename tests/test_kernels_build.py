@@ -62,9 +62,12 @@ def test_role_compiles_to_a_cubin(built, arch, role):
   assert entry["entry"].startswith(ROLE_ENTRIES[role - 1]), f"{arch=}, {role=}: entry {entry['entry']}"
   assert f".target {arch}" in _ptx(meta, role)
   assert entry["block"] == 256, entry
-  # No spills, except role 2 of the two-CTA variants at its 128-register cap (build._SPILL_BUDGET).
-  assert entry["local_bytes"] <= (32 if entry["ctas_per_sm"] > 1 else 0), entry
-  # v2's role 2 runs its cp.async pipeline in dynamic SMEM (opt-in above 48 KiB; H100/H200 allow 227 KiB per CTA,
+  # No spills, except role 2 of the two-CTA variants at its 128-register cap (build._SPILL_BUDGET); sm_120a's
+  # role 2 has an 8 B frame for its by-value TensorMaps without spilling (build._TENSORMAP_FRAME).
+  assert entry["spill_bytes"] <= (build._SPILL_BUDGET[2] if entry["ctas_per_sm"] > 1 else 0), entry
+  frame = build._TENSORMAP_FRAME if role == 2 and arch != "sm_90a" and build.generation() == "v2" else 0
+  assert entry["local_bytes"] <= -(-entry["spill_bytes"] // 8) * 8 + frame, entry
+  # v2's role 2 runs its TMA pipeline in dynamic SMEM (opt-in above 48 KiB; H100/H200 allow 227 KiB per CTA,
   # SM120 99 KiB, 100 KiB per SM shared by the CTAs of an SM).
   v2_role2 = role == 2 and build.generation() == "v2"
   limit = (227 if arch == "sm_90a" else 99) * 1024
@@ -81,12 +84,14 @@ def test_ptx_entry_has_the_abi_params(built, arch, role):
   entry = build.parse_ptx_entry(_ptx(built[arch], role))
   types = [p["type"] for p in entry["params"]]
   sizes = [p["bytes"] for p in entry["params"]]
-  assert types == [".u64"] * 13 + [".u32", ".f32"], f"{arch=}, {role=}: {entry['params']}"
-  assert sizes == [8] * 13 + [4, 4], f"{arch=}, {role=}: {sizes}"
+  maps = len(abi.ROLE2_TENSORMAPS) if role == 2 and build.generation() == "v2" else 0
+  assert types == [".u64"] * 13 + [".u32", ".f32"] + [".b8"] * maps, f"{arch=}, {role=}: {entry['params']}"
+  assert sizes == [8] * 13 + [4, 4] + [128] * maps, f"{arch=}, {role=}: {sizes}"
   assert all(".ptr .global .align 16" in p["decl"] for p in entry["params"][:13]), entry["params"]
+  assert all(p["decl"] == ".param .align 128 .b8" for p in entry["params"][15:]), entry["params"]
   assert entry["reqntid"] == [256, 1, 1]
   names = [p["name"] for p in built[arch]["roles"][role - 1]["params"]]
-  assert names == list(abi.PARAMS)
+  assert names == list(abi.PARAMS + abi.ROLE2_TENSORMAPS[:maps])
 
 
 @needs_dsl
@@ -106,7 +111,7 @@ def test_role2_waits_are_bounded_acquires(built, arch):
 @needs_dsl
 @pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
 @pytest.mark.parametrize("arch", build.ARCHS)
-def test_v2_role2_is_int8_mma_over_a_cp_async_pipeline(built, arch):
+def test_v2_role2_is_mma_over_its_targets_pipeline(built, arch):
   ptx = _ptx(built[arch], 2)
   two_ctas = built[arch]["roles"][1]["ctas_per_sm"] == 2
   assert two_ctas == (SMALL.capacity <= 16)
@@ -127,8 +132,68 @@ def test_v2_role2_is_int8_mma_over_a_cp_async_pipeline(built, arch):
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx, "activations are stored as E4M3 codes"
   if two_ctas:
     assert ".minnctapersm 2" in ptx and ".maxnreg 128" in ptx, "the §5.1 rewrites of the two-CTA variant"
-  assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in ptx and "cp.async.cg.shared.global" in ptx
+  assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in ptx
+  # Both targets take the two weight TensorMaps by value after the ABI's formals (§5.1 rewrite).
+  assert len(re.findall(r"\.param \.align 128 \.b8 \w+_param_1[56]\[128\]", ptx)) == 2
+  tma = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
+  if arch == "sm_90a":
+    # The per-thread cp.async producer (measured faster on the H200); the maps are not loaded.
+    assert not tma and "cp.async.cg.shared.global" in ptx and "cvta.param" not in ptx
+  else:
+    # The TMA producer (paper §4.4): weight tiles by TMA through the maps, the B rows by bulk copies, full/empty
+    # mbarriers instead of a CTA barrier per stage.
+    assert tma and "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
+    assert "mbarrier.try_wait.parity.shared::cta.b64" in ptx and "mbarrier.arrive.expect_tx" in ptx
+    # Each copy takes its map's address in its own scope (the rewrite's at_use: no register holds it across the MMAs).
+    copies = [ln for ln in ptx.splitlines() if "cp.async.bulk.tensor" in ln]
+    assert all(re.search(r"cvta\.param::entry\.u64 %tmap, \w+_param_1[56]; cp\.async\.bulk\.tensor", ln)
+               for ln in copies), copies[:2]
+    assert {re.search(r"_param_(1[56]);", ln).group(1) for ln in copies} == {"15", "16"}
+    assert "cp.async.cg.shared.global" not in ptx
   assert "red.release.gpu.global.add.u32" in ptx, "tile completion is published with release"
+
+
+@needs_dsl
+@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
+@pytest.mark.parametrize("variant", [SMALL, Variant(6144, 2048, 32, 8, 8), Variant(5120, 2304, 48, 6, 256)],
+                         ids=["small", "glm5.2", "dsv4.1-flash"])
+def test_role2_tensormaps_cover_the_weight_tensors(variant):
+  """Each map views its weight tensor (formats: [E][K/128][N][64 B]) as 64-byte rows, a box being one K128 tile of
+  128 rows swizzled by 64 B: together the rows are exactly the tensor's bytes, and the manifest carries them."""
+  from gcmoe_jax.kernels import roles_v2
+
+  w13, w2 = roles_v2.RoleKernelsV2(variant, "sm_90a").tensormaps()
+  assert (w13["name"], w2["name"]) == abi.ROLE2_TENSORMAPS and (w13["param"], w2["param"]) == ("w13", "w2")
+  e, h, i = variant.experts, variant.hidden, variant.intermediate
+  assert w13["dims"][0] * w13["dims"][1] == e * h * 2 * i // 2 and w2["dims"][0] * w2["dims"][1] == e * i * h // 2
+  for m in (w13, w2):
+    assert m["dims"][0] == m["row_stride"] == 64 and m["box"] == [64, 128] and m["swizzle"] == 64
+    assert m["dims"][1] < 2**31  # TMA coordinates are int32
+    assert abi.tensormap_fields(m)[0] == abi.PARAMS.index(m["param"])
+
+
+@needs_dsl
+@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
+def test_the_manifest_carries_role2s_tensormaps(built):
+  for meta in built.values():
+    r2 = meta["roles"][1]
+    assert [m["name"] for m in r2["tensormaps"]] == list(abi.ROLE2_TENSORMAPS)
+    assert [p["name"] for p in r2["params"][-2:]] == list(abi.ROLE2_TENSORMAPS)
+    assert [p["bytes"] for p in r2["params"][-2:]] == [128, 128]
+
+
+@needs_dsl
+@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
+def test_the_tma_ablation_builds_sm120s_producer_for_sm90(cache, monkeypatch):
+  """``GCMOE_ABLATION=tma`` (exact results, A/B timing) puts the sm_120a build's TMA producer into the sm_90a role 2,
+  validated with the TMA pipeline's features (§5.1), under its own cubin key."""
+  monkeypatch.setenv("GCMOE_ABLATION", "tma")
+  meta = build.compile_variant("sm_90a", SMALL, cache_dir=cache)
+  assert "+tma" in meta["key"]
+  ptx = _ptx(meta, 2)
+  assert "cp.async.bulk.tensor.2d" in ptx and "mbarrier.try_wait.parity" in ptx
+  assert "cp.async.cg.shared.global" not in ptx
+  assert meta["roles"][1]["spill_bytes"] <= build._SPILL_BUDGET[2]
 
 
 @needs_dsl
@@ -166,14 +231,14 @@ def test_sm120_role2_fits_the_rtx_pro_5000_smem(cache, variant):
   r2 = meta["roles"][1]
   smem = r2["dynamic_smem"] + r2["static_smem"]
   assert geometry.ctas_per_sm(smem, 256, geometry.RTX_PRO_5000) >= r2["ctas_per_sm"] >= 1, (smem, r2["ctas_per_sm"])
-  assert all(r["local_bytes"] == 0 for r in meta["roles"])
+  assert all(r["spill_bytes"] == 0 for r in meta["roles"] if r["ctas_per_sm"] == 1)
 
 
 @needs_dsl
 def test_shared_expert_variant_compiles(cache):
   meta = build.compile_variant("sm_90a", SMALL_SHARED, cache_dir=cache)
   assert meta["variant"]["shared_group"] == 32
-  assert all(r["local_bytes"] == 0 for r in meta["roles"])
+  assert all(r["local_bytes"] == 0 and r["spill_bytes"] == 0 for r in meta["roles"])
   ptx = _ptx(meta, 2)
   assert "ld.global.nc.v4.u32" in ptx and "min.NaN.f32" in ptx
 

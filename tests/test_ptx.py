@@ -26,16 +26,19 @@ def modules(tmp_path_factory):
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
 @pytest.mark.parametrize("role", [1, 2, 3])
 def test_v1_roles_validate(modules, arch, role):
-  e = ptx.validate(modules[arch][role], role=role, arch=arch)
-  assert e.param_types == ptx.ABI_PARAM_TYPES
+  e = ptx.validate(modules[arch][role], role=role, arch=arch, param_types=ptx.param_types("v2", role))
+  assert e.param_types == ptx.param_types("v2", role)
+  assert e.param_types[:15] == ptx.ABI_PARAM_TYPES
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
 def test_role2_holds_the_instructions_of_its_seam(modules, arch):
-  """§5.1: the v2 role 2 still contains its MMA (int8 on sm_90a, the block-scaled QMMA on sm_120a), the cp.async
-  pipeline and ldmatrix; the QMMA is not on sm_90a and the int8 MMA not on sm_120a (one seam per target)."""
+  """§5.1: the v2 role 2 still contains its MMA (int8 on sm_90a, the block-scaled QMMA on sm_120a), the TMA
+  pipeline (tensor and bulk copies, mbarrier waits) or, on sm_90a, the cp.async one, and ldmatrix; the QMMA is
+  not on sm_90a and the int8 MMA not on sm_120a (one seam per target)."""
   features = ptx.role2_features("v2", arch)
-  assert features and ptx.validate(modules[arch][2], role=2, arch=arch, features=features)
+  assert features and ptx.validate(modules[arch][2], role=2, arch=arch, features=features,
+                                   param_types=ptx.param_types("v2", 2))
   qmma = "mma.sync.aligned.kind::mxf8f6f4.block_scale.scale_vec::1X.m16n8k32.row.col.f32.e2m1.e4m3.f32.ue8m0"
   int8 = "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"
   text = modules[arch][2]
@@ -47,7 +50,8 @@ def test_a_role2_that_lost_a_feature_fails_naming_it(modules, arch):
   for feature in ptx.role2_features("v2", arch):
     broken = modules[arch][2].replace(feature, "nop")
     with pytest.raises(ptx.PtxError, match=re.escape(f"role 2 for {arch} lost `{feature}`")):
-      ptx.validate(broken, role=2, arch=arch, features=ptx.role2_features("v2", arch))
+      ptx.validate(broken, role=2, arch=arch, features=ptx.role2_features("v2", arch),
+                   param_types=ptx.param_types("v2", 2))
 
 
 def test_a_formal_count_off_by_one_is_named(modules):

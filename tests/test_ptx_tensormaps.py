@@ -93,3 +93,58 @@ def test_a_role2_without_its_tma_fails_naming_it():
   no_tma = _module().replace("cp.async.bulk.tensor", "cp.async.bulk")
   with pytest.raises(ptx.PtxError, match=r"role 2 for sm_90a lost `cp.async.bulk.tensor`"):
     ptx.validate(no_tma, role=2, arch="sm_90a", features=(ptx.TMA,), param_types=(".u64",) * 3)
+
+
+def test_any_number_of_tma_uses_when_uses_is_none():
+  """Role 2 issues its tile copies from one site per pass width: ``uses=None`` takes any count of TMA uses (and
+  prefetches) but nothing else."""
+  out = ptx.rewrite_tensormaps_by_value(_module(uses_of_x=3), "k", (0, 2), uses=None)
+  assert "cvta.param::entry.u64 %rd3, k_param_2;" in out
+
+
+def test_a_map_used_outside_a_tma_instruction_fails_naming_the_use():
+  text = _module().replace("\tst.global.u32 \t[%rd2], %r2;", "\tst.global.u32 \t[%rd3], %r2;")
+  with pytest.raises(ptx.PtxError, match=r"TensorMap formal 2 \(k_param_2\) must be used only as the TensorMap "
+                                         r"operand of TMA instructions through %rd3, also used in 'st\.global"):
+    ptx.rewrite_tensormaps_by_value(text, "k", (2,), uses=None)
+
+
+def test_a_map_never_used_fails_unless_allowed():
+  """A build whose role 2 does not issue TMA (sm_90a's cp.async producer) never loads its map formals: with
+  ``unused_ok`` only their declarations change, so the ABI stays one; otherwise the rewrite names the formal."""
+  text = _module(loads_of_w=0).replace("\tprefetch.tensormap [%rd1];\n", "").replace(
+    "\tcp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%r1], [%rd1, {%r2, %r2}], "
+    "[%r3];\n", "")
+  with pytest.raises(ptx.PtxError, match=r"k_param_0\) must be loaded exactly once, loaded 0 times"):
+    ptx.rewrite_tensormaps_by_value(text, "k", (0,), uses=None)
+  out = ptx.rewrite_tensormaps_by_value(text, "k", (0, 2), uses=None, unused_ok=True)
+  assert ".param .align 128 .b8 k_param_0[128]" in out and "cvta.param::entry.u64 %rd3, k_param_2;" in out
+  assert ptx.validate(out, role=1, arch="sm_90a", param_types=(".b8", ".u64", ".b8"))
+
+
+@pytest.mark.skipif(_PTXAS is None, reason="no ptxas on this machine")
+def test_assemble_reports_the_stack_frame_and_spills():
+  report = {}
+  cubin = ptx.assemble(ptx.rewrite_tensormaps_by_value(_module(), "k", (0, 2)), "sm_90a", ptxas=_PTXAS, report=report)
+  assert cubin[:4] == b"\x7fELF"
+  assert report == {"stack_frame": 0, "spill_stores": 0, "spill_loads": 0}
+
+
+def test_at_use_gives_each_tma_instruction_its_own_address():
+  """``at_use``: no register holds a map's address from the entry on; each TMA instruction takes it in a scope of
+  its own (role 2's copies sit in the loop whose MMAs need every register)."""
+  out = ptx.rewrite_tensormaps_by_value(_module(uses_of_x=3), "k", (0, 2), uses=None, at_use=True)
+  assert "[k_param_0]" not in out and "[k_param_2]" not in out
+  scoped = [ln.strip() for ln in out.splitlines() if "%tmap" in ln]
+  assert len(scoped) == 5  # map 0: a prefetch and a copy; map 2: two prefetches and a copy
+  assert all(ln.startswith("{ .reg .b64 %tmap; cvta.param::entry.u64 %tmap, k_param_") and ln.endswith("}")
+             for ln in scoped)
+  assert "[%rd1" not in out and "[%rd3" not in out
+  with pytest.raises(ValueError, match="at_use needs uses=None"):
+    ptx.rewrite_tensormaps_by_value(_module(), "k", (0,), at_use=True)
+
+
+@pytest.mark.skipif(_PTXAS is None, reason="no ptxas on this machine")
+def test_the_at_use_module_assembles():
+  out = ptx.rewrite_tensormaps_by_value(_module(), "k", (0, 2), uses=None, at_use=True)
+  assert ptx.assemble(out, "sm_90a", ptxas=_PTXAS)[:4] == b"\x7fELF"

@@ -148,6 +148,8 @@ def _summary(meta: dict, arch: str, v, seconds: float, quiet: bool) -> dict:
              "static_smem": [r["static_smem"] for r in meta["roles"]],
              "dynamic_smem": [r["dynamic_smem"] for r in meta["roles"]],
              "local_bytes": [r["local_bytes"] for r in meta["roles"]],
+             # ptxas's spill stores where the build assembled the role (older manifests: the whole frame)
+             "spill_bytes": [r.get("spill_bytes", r["local_bytes"]) for r in meta["roles"]],
              "ctas_per_sm": [r.get("ctas_per_sm", 1) for r in meta["roles"]],
              "entries": [r["entry"] for r in meta["roles"]], "seconds": round(seconds, 2)}
   if not quiet:
@@ -161,8 +163,9 @@ def _report_rows(summaries: list[dict]) -> list[str]:
   """Markdown rows of `--report`: one per build."""
   dev = geometry.RTX_PRO_5000
   head = ("| variant | arch | registers (roles 1/2/3) | role 2 SMEM (dynamic + static) | local bytes (roles 1/2/3) "
-          "| CTAs/SM built | fits 100 KB/SM at that c | paper eq. 9 S_role2 at B = capacity (c) |")
-  rows = [head, "| " + " | ".join(["---"] * 8) + " |"]
+          "| spilled bytes (roles 1/2/3) | CTAs/SM built | fits 100 KB/SM at that c "
+          "| paper eq. 9 S_role2 at B = capacity (c) |")
+  rows = [head, "| " + " | ".join(["---"] * 9) + " |"]
   for s in sorted(summaries, key=lambda s: (s["arch"], s["key"])):
     v = s["variant"]
     smem = s["dynamic_smem"][1] + s["static_smem"][1]
@@ -178,7 +181,8 @@ def _report_rows(summaries: list[dict]) -> list[str]:
     shared = f" + shared Is{v['shared_intermediate']} g{v['shared_group']}" if v["shared_intermediate"] else ""
     name = f"H{v['hidden']} I{v['intermediate']} E{v['experts']} k{v['top_k']} T{v['capacity']}{shared}"
     rows.append(f"| {name} | {s['arch']} | {' / '.join(map(str, s['registers']))} | {s['dynamic_smem'][1]} + "
-                f"{s['static_smem'][1]} | {' / '.join(map(str, s['local_bytes']))} | {c} | {fits} | {model} |")
+                f"{s['static_smem'][1]} | {' / '.join(map(str, s['local_bytes']))} | "
+                f"{' / '.join(map(str, s['spill_bytes']))} | {c} | {fits} | {model} |")
   return rows
 
 

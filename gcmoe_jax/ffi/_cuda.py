@@ -100,7 +100,7 @@ def capacity_for(tokens: int) -> int:
 
 
 def register_raw(key: str, config: tuple[int, ...], launch: tuple[int, ...], cubins: list[bytes],
-                 silu: np.ndarray) -> None:
+                 silu: np.ndarray, tensormaps: tuple[int, ...] = ()) -> None:
   """``gcmoe_register_variant`` with typed arguments (ctypes passes untyped Python ints as 32-bit C ints).
 
   Args:
@@ -110,6 +110,8 @@ def register_raw(key: str, config: tuple[int, ...], launch: tuple[int, ...], cub
       fused transport, then the CUDA ordinals of its peer groups, group-major]]).
     launch: (grid, block, dynamic SMEM) of roles 1, 2, 3; grid 0 is the runtime's choice.
     cubins: the three role cubins. silu: the float32 table of `reference.silu_table`.
+    tensormaps: role 2's TensorMaps (`build.BuiltVariant.tensormap_fields`): the runtime encodes them from the
+      call's pointers and passes them by value after the ABI's formals.
   """
   lib = _library.library()
   if lib is None:
@@ -118,12 +120,14 @@ def register_raw(key: str, config: tuple[int, ...], launch: tuple[int, ...], cub
   fn.restype = ctypes.c_int
   fn.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_int, ctypes.POINTER(ctypes.c_uint32),
                  ctypes.c_char_p, ctypes.c_int64, ctypes.c_char_p, ctypes.c_int64, ctypes.c_char_p, ctypes.c_int64,
-                 ctypes.POINTER(ctypes.c_float), ctypes.c_int64, ctypes.c_char_p, ctypes.c_int]
+                 ctypes.POINTER(ctypes.c_float), ctypes.c_int64, ctypes.POINTER(ctypes.c_int64), ctypes.c_int,
+                 ctypes.c_char_p, ctypes.c_int]
   silu = np.ascontiguousarray(silu, np.float32)
   error = ctypes.create_string_buffer(1024)
   rc = fn(key.encode(), (ctypes.c_int64 * len(config))(*config), len(config), (ctypes.c_uint32 * 9)(*launch),
           cubins[0], len(cubins[0]), cubins[1], len(cubins[1]), cubins[2], len(cubins[2]),
-          silu.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), silu.size, error, len(error))
+          silu.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), silu.size,
+          (ctypes.c_int64 * max(len(tensormaps), 1))(*tensormaps), len(tensormaps), error, len(error))
   if rc != 0:
     raise RuntimeError(f"gcmoe_jax: registering kernel variant {key} failed: {error.value.decode()}")
 
@@ -148,7 +152,8 @@ def _register(arch: str, variant: build.Variant, dispatch_sms: int, compute_sms:
     key += ":peers" + ",".join(map(str, peer_devices))
     config += (variant.ranks, *peer_devices)
     launch = (role1_grid, *launch[1:])
-  register_raw(key, config, launch, [built.cubin(r) for r in (1, 2, 3)], reference.silu_table())
+  register_raw(key, config, launch, [built.cubin(r) for r in (1, 2, 3)], reference.silu_table(),
+               built.tensormap_fields())
   return key
 
 

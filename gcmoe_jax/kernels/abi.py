@@ -31,6 +31,21 @@ __all__ = ["HEADER", "PARAMS", "Workspace", "counter_words", "fused_counters", "
 PARAMS = ("x", "ids", "route_weights", "w13", "w13_scale", "w2", "w2_scale", "s13", "s13_scale", "s2", "s2_scale",
           "y", "workspace", "tokens", "clamp")
 NUM_POINTER_PARAMS = 13
+# Role 2 (v2) takes two more formals after these: the TensorMaps of its weight tiles, 128 bytes each, by value
+# (`roles_v2.RoleKernelsV2.tensormaps` describes them; the runtime encodes them from the w13 and w2 pointers).
+ROLE2_TENSORMAPS = ("w13_map", "w2_map")
+# A TensorMap as the runtime receives it (int64 fields, `tensormap_fields`): the ABI pointer it maps, its element
+# type (CUtensorMapDataType), the two dimensions (elements), the row stride (bytes), the box, and the swizzle
+# (CUtensorMapSwizzle).
+TENSORMAP_DTYPES = {"uint8": 0}
+TENSORMAP_SWIZZLES = {0: 0, 32: 1, 64: 2, 128: 3}
+TENSORMAP_FIELDS = 8
+
+
+def tensormap_fields(m: dict) -> tuple[int, ...]:
+  """The `TENSORMAP_FIELDS` int64 values of one map description (`roles_v2.RoleKernelsV2.tensormaps`)."""
+  return (PARAMS.index(m["param"]), TENSORMAP_DTYPES[m["dtype"]], m["dims"][0], m["dims"][1], m["row_stride"],
+          m["box"][0], m["box"][1], TENSORMAP_SWIZZLES[m["swizzle"]])
 
 # Header fields: byte offsets inside the first 256 bytes of the workspace.
 HEADER = {
@@ -64,6 +79,7 @@ WAIT_READY, WAIT_GEMM1, WAIT_XQ, WAIT_SHARED = 0, 0x10000, 0x20000, 0x30000
 # (role 1), and this rank's returned rows (role 3).
 WAIT_PEER, WAIT_RECEIVED, WAIT_RETURNS = 0x40000, 0x50000, 0x60000
 WAIT_RELAY = 0x70000  # a relay copier (role 2) waited for experts' GEMM2 items (observed: experts left)
+WAIT_PIPE = 0x80000  # role 2's K loop waited for a stage's copies or readers (observed: the K128 block)
 ROLE_TRANSPORT = 4  # error_role of a fused-transport wait that expired (error_counter: one of the three above)
 SILU_TABLE_ENTRIES = 1 << 16  # float32 silu(g) per BF16 bit pattern (reference.silu_table)
 ALIGN = 256

@@ -67,11 +67,14 @@ _KERNEL_SOURCES = ("roles_v1.py", "roles_v2.py", "abi.py")  # what the cubins ar
 _DSL_PREFIX = "nvidia-cutlass-dsl"
 # PTX parameter types of the ABI: 13 pointers, then tokens (int32) and clamp (float32).
 _PTX_PARAM_TYPES = (".u64",) * abi.NUM_POINTER_PARAMS + (".u32", ".f32")
-_PTX_TYPE_BYTES = {".u64": 8, ".u32": 4, ".f32": 4, ".s32": 4, ".b32": 4, ".b64": 8}
+_PTX_TYPE_BYTES = {".u64": 8, ".u32": 4, ".f32": 4, ".s32": 4, ".b32": 4, ".b64": 8, ".b8": 1}
 _STATIC_SMEM_LIMIT = 48 * 1024  # static __shared__ above this needs dynamic SMEM
 # Local memory (spill) bytes a role may use. Role 2 of the two-CTA variants runs at a 128-register cap and ptxas
-# spills 8-16 B there at the paper shapes (docs/kernels_v2.md); every other kernel must not spill.
-_SPILL_BUDGET = {2: 32}
+# spills 16-40 B there (docs/kernels_v2.md); every other kernel must not spill.
+_SPILL_BUDGET = {2: 48}
+# The stack frame ptxas gives an sm_120a kernel that issues TMA through a by-value TensorMap, without spilling (nvcc's
+# own __grid_constant__ CUtensorMap kernels show it too; sm_90a has none).
+_TENSORMAP_FRAME = 8
 
 
 class BuildError(RuntimeError):
@@ -189,6 +192,10 @@ class BuiltVariant:
     """The manifest entry of role r (1, 2 or 3)."""
     return self.meta["roles"][r - 1]
 
+  def tensormap_fields(self) -> tuple[int, ...]:
+    """Role 2's TensorMaps as the runtime takes them (`abi.tensormap_fields`, flattened; empty for v1)."""
+    return tuple(f for m in self.role(2).get("tensormaps", []) for f in abi.tensormap_fields(m))
+
   def cubin(self, r: int) -> bytes:
     return (self.directory / self.role(r)["cubin"]).read_bytes()
 
@@ -255,7 +262,7 @@ def _check_arch(arch: str) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 _ENTRY_RE = re.compile(r"\.entry\s+([A-Za-z_$][\w$]*)\s*\((.*?)\)", re.DOTALL)
-_PARAM_RE = re.compile(r"\.param\s+(.*?)\s+([A-Za-z_$][\w$]*)\s*$")
+_PARAM_RE = re.compile(r"\.param\s+(.*?)\s+([A-Za-z_$][\w$]*)(?:\[(\d+)\])?\s*$")
 _REQNTID_RE = re.compile(r"\.reqntid\s+(\d+)\s*,\s*(\d+)\s*,\s*(\d+)")
 
 
@@ -277,7 +284,9 @@ def parse_ptx_entry(ptx: str) -> dict[str, Any]:
       raise BuildError(f"build: cannot parse the PTX parameter declaration {line.strip()!r} of {name}")
     decl = m.group(1)
     ptx_type = next((t for t in decl.split() if t in _PTX_TYPE_BYTES), None)
-    params.append({"decl": f".param {decl}", "type": ptx_type, "bytes": _PTX_TYPE_BYTES.get(ptx_type)})
+    count = int(m.group(3)) if m.group(3) else 1  # a by-value TensorMap: .b8 NAME[128]
+    size = _PTX_TYPE_BYTES.get(ptx_type)
+    params.append({"decl": f".param {decl}", "type": ptx_type, "bytes": size * count if size else None})
   reqntid = _REQNTID_RE.search(ptx)
   return {"name": name, "params": params, "reqntid": [int(g) for g in reqntid.groups()] if reqntid else None}
 
@@ -327,11 +336,12 @@ def cubin_resources(cubin: bytes, entry: str) -> dict[str, int]:
 
 
 def _check_role(role: int, variant: Variant, arch: str, entry: dict[str, Any], res: dict[str, int],
-                ctas: int = 1) -> None:
+                ctas: int = 1, maps: int = 0) -> None:
   from gcmoe_jax.kernels import roles_v1
 
   where = f"role {role} ({ROLE_TITLES[role - 1]}) of {variant.key} for {arch}"
   types = tuple(p["type"] for p in entry["params"])
+  types = types[:len(types) - maps]  # role 2's TensorMaps follow the ABI's formals (validated by ptx.validate)
   if types != _PTX_PARAM_TYPES:
     raise BuildError(f"build: {where}: the PTX entry {entry['name']} declares {len(types)} parameters "
                      f"{[p['decl'] for p in entry['params']]}, expected the ABI's {len(_PTX_PARAM_TYPES)} "
@@ -341,10 +351,15 @@ def _check_role(role: int, variant: Variant, arch: str, entry: dict[str, Any], r
   if res["local_bytes"] < 0:
     raise BuildError(f"build: {where}: the cubin's .nv.info has no EIATTR_FRAME_SIZE for {entry['name']}; cannot "
                      f"check local memory (cubin format changed?)")
-  if res["local_bytes"] > (_SPILL_BUDGET.get(role, 0) if ctas > 1 else 0):
-    raise BuildError(f"build: {where}: the kernel uses {res['local_bytes']} B of local memory (a stack frame: "
-                     f"register spills) with {res['registers']} registers; the kernels must not spill "
-                     f"(two-CTA role 2: at most {_SPILL_BUDGET.get(role, 0)} B)")
+  spills = res.get("spill_bytes", res["local_bytes"])
+  if spills > (_SPILL_BUDGET.get(role, 0) if ctas > 1 else 0):
+    raise BuildError(f"build: {where}: the kernel spills {spills} B of registers to local memory with "
+                     f"{res['registers']} registers; the kernels must not spill (two-CTA role 2: at most "
+                     f"{_SPILL_BUDGET.get(role, 0)} B)")
+  frame = -(-spills // 8) * 8 + (_TENSORMAP_FRAME if maps and arch.startswith("sm_12") else 0)
+  if res["local_bytes"] > frame:
+    raise BuildError(f"build: {where}: the kernel uses {res['local_bytes']} B of local memory (a stack frame) and "
+                     f"spills {spills} B; at most {frame} B of frame is expected")
   if res["static_smem"] > _STATIC_SMEM_LIMIT:
     raise BuildError(f"build: {where}: {res['static_smem']} B of static SMEM exceeds {_STATIC_SMEM_LIMIT}")
 
@@ -367,7 +382,7 @@ def _finalize_ctas(arch: str, variant: Variant) -> int:
 
 def _compile_roles(arch: str, variant: Variant, out: pathlib.Path) -> list[dict[str, Any]]:
   """Compiles the three roles into ``out``; returns the manifest's role entries."""
-  from cutlass import Float32, Int32, Uint8, cute
+  from cutlass import Float32, Int32, Int64, Uint8, cute
   from cutlass.cute.runtime import make_ptr
 
   from gcmoe_jax.kernels import roles_v1, roles_v2
@@ -387,7 +402,8 @@ def _compile_roles(arch: str, variant: Variant, out: pathlib.Path) -> list[dict[
     dump = out / f".dump{r}"
     dump.mkdir()
     t0 = time.perf_counter()
-    cute.compile(launch, *ptrs, Int32(0), Float32(0.0),
+    maps = kernels.tensormaps() if r == 2 and gen == "v2" else []
+    cute.compile(launch, *ptrs, Int32(0), Float32(0.0), *[Int64(0) for _ in maps],
                  options=f"--gpu-arch {arch} --keep-ptx --keep-cubin --dump-dir {dump}")
     seconds = time.perf_counter() - t0
     ptx_files, cubin_files = sorted(dump.glob("*.ptx")), sorted(dump.glob("*.cubin"))
@@ -403,6 +419,16 @@ def _compile_roles(arch: str, variant: Variant, out: pathlib.Path) -> list[dict[
     entry = parse_ptx_entry(ptx)
     ctas = kernels.ctas_per_sm(r)
     directive = _finalize_ctas(arch, variant) if r == 3 and gen == "v2" else ctas
+    ablation = _config.get("GCMOE_ABLATION")  # a timing build leaves instructions out or changes them on purpose
+    if maps:
+      # §5.1: the TensorMaps by value in the parameter space (CuTe DSL declares them as 64-bit formals). The
+      # per-thread cp.async producer (sm_90a) never loads them: the formals stay, by value, so the ABI is one.
+      first = len(abi.PARAMS)
+      try:
+        ptx = ptx_pipeline.rewrite_tensormaps_by_value(ptx, entry["name"], tuple(range(first, first + len(maps))),
+                                                       uses=None, unused_ok=not kernels.tma, at_use=True)
+      except ptx_pipeline.PtxError as err:
+        raise BuildError(f"build: role {r} of {variant.key} for {arch}: {err}") from err
     if ctas > 1 or directive > 1:
       # Several CTAs per SM: the §5.1 rewrites (.minnctapersm, and the eq. 4 register ceiling of the CTAs the
       # kernel is built to co-schedule: none for the finalize, whose directive is the paper's "finalize occupancy")
@@ -410,18 +436,23 @@ def _compile_roles(arch: str, variant: Variant, out: pathlib.Path) -> list[dict[
       # none here).
       ptx = ptx_pipeline.rewrite_min_ctas(ptx, entry["name"], directive)
       ptx = ptx_pipeline.rewrite_max_registers(ptx, entry["name"], ctas, roles_v1.THREADS)
-      cubin = ptx_pipeline.assemble(ptx, arch)
+    report: dict[str, int] = {}
+    if ctas > 1 or directive > 1 or maps:
+      cubin = ptx_pipeline.assemble(ptx, arch, report=report)
       (out / ptx_name).write_text(ptx)
       (out / cubin_name).write_bytes(cubin)
     # §5.1 validation of the PTX that was assembled: one entry, the ABI's formals, the target, and role 2's
     # instructions (a lost feature fails the build naming it).
     try:
-      ablated = bool(_config.get("GCMOE_ABLATION"))  # a timing build leaves instructions out on purpose
-      ptx_pipeline.validate(ptx, role=r, arch=arch, features=() if ablated else ptx_pipeline.role2_features(gen, arch))
+      features = ptx_pipeline.role2_features(gen + ("+tma" if ablation == "tma" else ""), arch)
+      ptx_pipeline.validate(ptx, role=r, arch=arch, features=features if ablation in ("", "tma") else (),
+                            param_types=ptx_pipeline.param_types(gen, r))
     except ptx_pipeline.PtxError as err:
       raise BuildError(f"build: role {r} of {variant.key} for {arch}: {err}") from err
     res = cubin_resources(cubin, entry["name"])
-    _check_role(r, variant, arch, entry, res, ctas)
+    # Spills as ptxas reported them where we assembled; else the whole stack frame counts as spills.
+    res["spill_bytes"] = report.get("spill_stores", res["local_bytes"])
+    _check_role(r, variant, arch, entry, res, ctas, len(maps))
     entries.append({
       "role": r,
       "title": ROLE_TITLES[r - 1],
@@ -436,7 +467,10 @@ def _compile_roles(arch: str, variant: Variant, out: pathlib.Path) -> list[dict[
       "static_smem": res["static_smem"],
       "registers": res["registers"],
       "local_bytes": res["local_bytes"],
-      "params": [dict(name=n, **p) for n, p in zip(abi.PARAMS, entry["params"])],
+      "spill_bytes": res["spill_bytes"],
+      "params": [dict(name=n, **p) for n, p in zip(abi.PARAMS + abi.ROLE2_TENSORMAPS[:len(maps)],
+                                                    parse_ptx_entry(ptx)["params"])],
+      "tensormaps": maps,
       "cubin_bytes": len(cubin),
       "cubin_sha256": hashlib.sha256(cubin).hexdigest(),
       "compile_seconds": round(seconds, 3),

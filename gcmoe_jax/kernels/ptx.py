@@ -30,14 +30,20 @@ PTX_ISA_OF_RELEASE = {
 }
 # What role 2 must contain, by (kernel generation, architecture) (§5.1): the instructions each build is made of, so a
 # compiler change that drops one fails the build naming it. v2 on sm_120a: the block-scaled QMMA (the MMA seam)
-# over a cp.async pipeline whose weight tile ldmatrix reads; on sm_90a: the exact int8 MMA in its place. (The
-# paper's role 2 also holds cp.async.bulk.tensor: its TMA producer warp is not built yet, issue 6.)
-_PIPELINE = ("cp.async.cg.shared.global", "ldmatrix.sync.aligned.m8n8.x4")
-TMA = "cp.async.bulk.tensor"  # the paper's role 2 feature once its producer warp streams tiles by TMA
+# over the TMA producer's pipeline (the weight tile by TMA through a by-value TensorMap, the B rows by bulk copies,
+# mbarrier waits) whose weight tile ldmatrix reads; on sm_90a: the exact int8 MMA over the per-thread cp.async
+# pipeline, the producer measured faster there (roles_v2; `GCMOE_ABLATION=tma` builds the TMA one, validated with
+# the sm_120a pipeline features).
+TMA = "cp.async.bulk.tensor"  # the weight tiles, through the by-value TensorMaps
+_TMA_PIPELINE = (TMA, "cp.async.bulk.shared::cluster.global", "mbarrier.try_wait.parity",
+                 "ldmatrix.sync.aligned.m8n8.x4")
+_CPASYNC_PIPELINE = ("cp.async.cg.shared.global", "ldmatrix.sync.aligned.m8n8.x4")
+_INT8_MMA = "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"
 _QMMA = "mma.sync.aligned.kind::mxf8f6f4.block_scale.scale_vec::1X.m16n8k32.row.col.f32.e2m1.e4m3.f32.ue8m0"
 ROLE2_FEATURES = {
-  ("v2", "sm_90a"): ("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32", *_PIPELINE),
-  **{("v2", arch): (_QMMA, *_PIPELINE) for arch in ("sm_120a", "sm_121a")},
+  ("v2", "sm_90a"): (_INT8_MMA, *_CPASYNC_PIPELINE),
+  ("v2+tma", "sm_90a"): (_INT8_MMA, *_TMA_PIPELINE),
+  **{("v2", arch): (_QMMA, *_TMA_PIPELINE) for arch in ("sm_120a", "sm_121a")},
 }
 
 
@@ -48,6 +54,13 @@ def role2_features(generation: str, arch: str) -> tuple[str, ...]:
 
 # The ABI's parameter types in PTX (13 pointers, then tokens and clamp).
 ABI_PARAM_TYPES = (".u64",) * abi.NUM_POINTER_PARAMS + (".u32", ".f32")
+
+
+def param_types(generation: str, role: int) -> tuple[str, ...]:
+  """The formals of a role's entry after the §5.1 rewrites: the ABI's, and for role 2 of v2 its TensorMaps, by
+  value (``.b8 NAME[128]``)."""
+  maps = len(abi.ROLE2_TENSORMAPS) if generation == "v2" and role == 2 else 0
+  return ABI_PARAM_TYPES + (".b8",) * maps
 
 _VERSION_RE = re.compile(r"^\.version\s+(\d+\.\d+)\s*$", re.M)
 _ENTRY_RE = re.compile(r"\.entry\s+(\w+)\s*\((.*?)\)", re.S)
@@ -124,18 +137,25 @@ def _entry_span(ptx: str, entry: str) -> tuple[int, int, int]:
     i += 1
 
 
-def rewrite_tensormaps_by_value(ptx: str, entry: str, indices: tuple[int, ...], *, uses: int = 2) -> str:
+def rewrite_tensormaps_by_value(ptx: str, entry: str, indices: tuple[int, ...], *, uses: int | None = 2,
+                                unused_ok: bool = False, at_use: bool = False) -> str:
   """Passes the TensorMaps of formals ``indices`` by value in the parameter space (§5.1).
 
   CuTe DSL passes a TensorMap as a pointer formal (``.param .u64 NAME``) that the kernel loads once
-  (``ld.param.u64 %rdN, [NAME];``), so the first TMA through it misses the tensormap cache inside a replayed graph.
+  (``ld.param.u64``/``.b64 %rdN, [NAME];``), so the first TMA through it misses the tensormap cache inside a
+  replayed graph.
   The host instead puts the 128-byte descriptor in the argument vector: the formal becomes
   ``.param .align 128 .b8 NAME[128]`` and its load ``cvta.param::entry.u64 %rdN, NAME;`` (the generic address of
   the parameter), so every TMA instruction addresses the parameter space directly.
 
   Asserts, per map, that the formal is a ``.u64``, that it is loaded exactly once and that the loaded register is
   used exactly ``uses`` times (the paper's "loaded once, used twice": a stronger check than counting formals, which
-  fails if the compiler ever reuses a descriptor for a second purpose).
+  fails if the compiler ever reuses a descriptor for a second purpose). ``uses=None``: any number of uses, each of
+  them the TensorMap operand of a TMA instruction (role 2 issues its tile copies from one site per pass width).
+  ``unused_ok``: a formal the kernel never loads (a timing build without the TMA path) only changes its declaration.
+  ``at_use``: each use takes the map's address itself (a scoped register and a ``cvta.param::entry`` just before
+  the instruction) instead of one register live from the entry on: role 2 issues its copies from inside a loop
+  whose MMAs need every register (the sm_120a shared-expert variants spilled 16 B holding the two addresses).
 
   Raises:
     PtxError: naming the entry, the formal and what did not match.
@@ -153,16 +173,35 @@ def rewrite_tensormaps_by_value(ptx: str, entry: str, indices: tuple[int, ...], 
       raise PtxError(f"ptx: entry {entry} formal {i} must be a .u64 TensorMap pointer to pass it by value, got "
                      f"{decls[i]!r}")
     name = m.group(1)
-    loads = list(re.finditer(rf"ld\.param\.u64\s+(%\w+)\s*,\s*\[{re.escape(name)}\]\s*;", body))
+    loads = list(re.finditer(rf"ld\.param\.[ub]64\s+(%\w+)\s*,\s*\[{re.escape(name)}\]\s*;", body))
+    if not loads and unused_ok:
+      head = _replace_once(head, re.compile(rf"\.param\s+\.u64\s+{re.escape(name)}(?![\w])"),
+                           f".param .align {TENSORMAP_BYTES} .b8 {name}[{TENSORMAP_BYTES}]", f"{name} formal")
+      continue
     if len(loads) != 1:
       raise PtxError(f"ptx: entry {entry} TensorMap formal {i} ({name}) must be loaded exactly once, loaded "
                      f"{len(loads)} times")
     reg = loads[0].group(1)
     used = len(re.findall(rf"{re.escape(reg)}(?![\w])", body)) - 1
-    if used != uses:
+    if uses is None:
+      lines = [ln.strip() for ln in body.splitlines() if re.search(rf"{re.escape(reg)}(?![\w])", ln)][1:]
+      other = [ln for ln in lines if not ln.startswith((TMA, "prefetch.tensormap"))]
+      if not lines or other:
+        raise PtxError(f"ptx: entry {entry} TensorMap formal {i} ({name}) must be used only as the TensorMap "
+                       f"operand of TMA instructions through {reg}, "
+                       + (f"also used in {other[0]!r}" if other else "never used"))
+    elif used != uses:
       raise PtxError(f"ptx: entry {entry} TensorMap formal {i} ({name}) must be used exactly {uses} times through "
                      f"{reg}, used {used} times")
-    body = body[:loads[0].start()] + f"cvta.param::entry.u64 {reg}, {name};" + body[loads[0].end():]
+    if at_use:
+      if uses is not None:
+        raise ValueError("rewrite_tensormaps_by_value: at_use needs uses=None (every use a TMA instruction)")
+      body = body[:loads[0].start()] + body[loads[0].end():]
+      body = re.sub(rf"^([ \t]*)((?:{re.escape(TMA)}|prefetch\.tensormap)[^\n]*?){re.escape(reg)}(?![\w])([^\n]*)$",
+                    lambda m: f"{m.group(1)}{{ .reg .b64 %tmap; cvta.param::entry.u64 %tmap, {name}; "
+                              f"{m.group(2)}%tmap{m.group(3)} }}", body, flags=re.M)
+    else:
+      body = body[:loads[0].start()] + f"cvta.param::entry.u64 {reg}, {name};" + body[loads[0].end():]
     head = _replace_once(head, re.compile(rf"\.param\s+\.u64\s+{re.escape(name)}(?![\w])"),
                          f".param .align {TENSORMAP_BYTES} .b8 {name}[{TENSORMAP_BYTES}]", f"{name} formal")
   return ptx[:params_at] + head + body + ptx[end + 1:]
@@ -201,12 +240,13 @@ def validate(ptx: str, *, role: int, arch: str, features: tuple[str, ...] = (),
   if len(found) != 1:
     raise PtxError(f"ptx: role {role} must hold exactly one .entry, found {len(found)}: {[e.name for e in found]}")
   e = found[0]
+  names = abi.PARAMS + abi.ROLE2_TENSORMAPS
   if len(e.param_types) != len(param_types):
     raise PtxError(f"ptx: role {role} entry {e.name} has {len(e.param_types)} formals, the ABI has "
-                   f"{len(param_types)} ({', '.join(abi.PARAMS)})")
+                   f"{len(param_types)} ({', '.join(names[:len(param_types)])})")
   for i, (got, want) in enumerate(zip(e.param_types, param_types)):
     if got != want:
-      raise PtxError(f"ptx: role {role} entry {e.name} formal {i} ({abi.PARAMS[i]}) is {got}, the ABI says {want}")
+      raise PtxError(f"ptx: role {role} entry {e.name} formal {i} ({names[i]}) is {got}, the ABI says {want}")
   target = re.search(r"^\.target\s+(\S+)", ptx, re.M)
   if target is None or target.group(1).rstrip(",") != arch:
     raise PtxError(f"ptx: role {role} targets {target.group(1) if target else 'nothing'}, expected {arch}")
@@ -226,9 +266,10 @@ def ptxas_release(ptxas: str) -> tuple[int, int]:
   return int(m.group(1)), int(m.group(2))
 
 
-def assemble(ptx: str, arch: str, *, ptxas: str | None = None) -> bytes:
+def assemble(ptx: str, arch: str, *, ptxas: str | None = None, report: dict | None = None) -> bytes:
   """Assembles PTX to a cubin with ``ptxas`` (default: the one on PATH, else /usr/local/cuda), after the version
-  rewrite it needs.
+  rewrite it needs. ``report``: filled with ptxas's ``stack_frame``, ``spill_stores`` and ``spill_loads`` (bytes)
+  of the module's entry (a stack frame is not always spills: sm_120a reserves 8 B for a by-value TensorMap).
 
   Raises:
     PtxError: no ptxas, an unknown release, or ptxas failing (its message included).
@@ -248,7 +289,13 @@ def assemble(ptx: str, arch: str, *, ptxas: str | None = None) -> bytes:
   with tempfile.TemporaryDirectory() as tmp:
     src, dst = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
     src.write_text(ptx)
-    r = subprocess.run([ptxas, f"-arch={arch}", "-o", str(dst), str(src)], capture_output=True, text=True)
+    r = subprocess.run([ptxas, f"-arch={arch}", *(["-v"] if report is not None else []), "-o", str(dst), str(src)],
+                       capture_output=True, text=True)
     if r.returncode != 0:
       raise PtxError(f"ptx: ptxas {release[0]}.{release[1]} failed for {arch}: {r.stderr.strip()[:2000]}")
+    if report is not None:
+      m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", r.stdout + r.stderr)
+      if m is None:
+        raise PtxError(f"ptx: ptxas {release[0]}.{release[1]} -v printed no stack/spill line for {arch}")
+      report.update(stack_frame=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
     return dst.read_bytes()

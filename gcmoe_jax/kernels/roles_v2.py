@@ -25,10 +25,14 @@ latencies better where the work per stage is small).
 1. GEMM1 items (h, j) over the hit list, j < 2I/128, CTA c taking items c, c + G, ...: W13 rows 128 j..128 j + 127
    (gate/up of intermediate columns 64 j..64 j + 63). Swap-AB: weights on M (warp w: rows 16 w..16 w + 15, so a
    thread's C fragment holds gate (row g) and up (row g + 8) of one column), the expert's rows on N (chunks of up
-   to 64, n-tiles of 8, bodies specialised for 1, 2, 4 and 8 n-tiles). A multistage cp.async pipeline streams per
-   K128: the 128 x 64 B weight tile (16 B chunks swizzled by ``(row >> 1) & 3``, read with ldmatrix without bank
+   to 64, n-tiles of 8, bodies specialised for 1, 2, 4 and 8 n-tiles). A multistage pipeline streams per K128:
+   the 128 x 64 B weight tile (16 B chunk c of row r at c ^ ((r >> 1) & 3), read with ldmatrix without bank
    conflicts), the 128 scale words, and the 96 B digit planes + exponent words of every row (gathered through
-   ``rows[e]``). Epilogue: SwiGLU + clamp + route weight in BF16 (v1's ops), BF16 to SMEM, then a warp per (row,
+   ``rows[e]``). Two producers share the stage layout: on sm_90a every thread issues cp.async and the CTA meets at a
+   barrier per stage (`_cpasync_mainloop`, measured faster); on sm_120a warp 0 issues the tile by TMA through a
+   by-value TensorMap (its 64-byte swizzle is the layout above), the rows by bulk copies, and full/empty mbarriers
+   replace the barrier (`_tma_mainloop`, paper §4.4). Epilogue: SwiGLU + clamp + route weight in BF16 (v1's ops),
+   BF16 to SMEM, then a warp per (row,
    K32 block) requantizes to ``aplanes``/``aexp``; ``counters[par][e] += 1`` (release).
 2. GEMM2 items (h, j), j < H/128, after all GEMM1 items (and the shared expert's GEMM1 items): W2 rows
    128 j.. (output columns), the same mainloop over K = I with the B operand from ``aplanes`` (gathered by
@@ -83,6 +87,17 @@ SC_BYTES = TILE_M * 4
 CTRL_BYTES = 1024  # [ok, count, ...] and per-slot token/assignment/route-weight words, then the expert table
 CTL_SLOT_SRC, CTL_SLOT_ASG, CTL_SLOT_RW = 16, 16 + 32 * NT_MAX, 16 + 64 * NT_MAX
 MAX_STAGES = 8
+# The pipeline's mbarriers in the control area: full[MAX_STAGES] (the producer's arrivals and the copies' bytes),
+# then empty[MAX_STAGES] (every consumer thread's arrival), 8 B each.
+CTL_BARS = CTL_SLOT_RW + 4 * 8 * NT_MAX
+# The producer's per-pass state (scale, plane and exponent row bases, 8 B each; the tile's first TensorMap row and
+# the stage's expected bytes, 4 B each), in SMEM rather than registers live across every thread's MMAs.
+CTL_PROD = CTL_BARS + 16 * MAX_STAGES
+CTL_FAULT = CTL_PROD + 32  # the K128 block of a pipeline wait that timed out this pass, else -1
+assert CTL_FAULT + 4 <= CTRL_BYTES
+# A stage starts 1024-aligned: TMA's 64-byte swizzle is a function of the SMEM address bits 7-8, so the tile lands
+# in the layout `_weight_words` reads (16 B chunk c of row r at c ^ ((r >> 1) & 3)) only from a 512-aligned base.
+STAGE_ALIGN = 1024
 STATIC_SMEM = 1024  # role 2's static SMEM as the DSL emits it (the build reports it; `build-kernels --report`)
 PIPE_STAGES = (4, 6)  # stages that fit the pipeline area at the widest pass: 1 CTA per SM, 2 CTAs per SM
 
@@ -107,7 +122,8 @@ EXPAND_SELECT = 0x5140  # prmt selector of the sm_120a seam: bytes (w0, (w >> 4)
 
 
 def stage_bytes(nt: int, token_stride: int = TOKEN_STRIDE) -> int:
-  return W_BYTES + SC_BYTES + nt * 8 * (16 + token_stride)
+  raw = W_BYTES + SC_BYTES + nt * 8 * (16 + token_stride)
+  return -(-raw // STAGE_ALIGN) * STAGE_ALIGN
 
 
 def stages(nt: int, pipe_bytes: int, token_stride: int = TOKEN_STRIDE) -> int:
@@ -125,6 +141,14 @@ def _lds(addr) -> Int32:
 def _lds2(addr):
   return cute.arch.inline_ptx("ld.shared.v2.u32 {{$w0}, {$w1}}, [{$r0}];", write_only_types=[Int32] * 2,
                               read_only_args=[addr])
+
+
+def _lds64(addr) -> Int64:
+  return cute.arch.inline_ptx("ld.shared.u64 {$w0}, [{$r0}];", write_only_types=[Int64], read_only_args=[addr])
+
+
+def _sts64(addr, v) -> None:
+  cute.arch.inline_ptx("st.shared.u64 [{$r0}], {$r1};", read_only_args=[addr, Int64(v)])
 
 
 def _sts(addr, v) -> None:
@@ -158,6 +182,61 @@ def _commit() -> None:
 
 def _wait_group(n: int) -> None:
   cute.arch.inline_ptx(f"cp.async.wait_group {n};", read_only_args=[])
+
+
+# ---- the TMA pipeline: mbarriers (SMEM, 8 B), the weight tile by TMA, the B rows by bulk copies --------------------
+
+
+def _mbar_init(addr, count: int) -> None:
+  cute.arch.inline_ptx("mbarrier.init.shared::cta.b64 [{$r0}], {$r1};", read_only_args=[addr, Int32(count)])
+
+
+def _mbar_inval(addr) -> None:
+  cute.arch.inline_ptx("mbarrier.inval.shared::cta.b64 [{$r0}];", read_only_args=[addr])
+
+
+def _mbar_arrive(addr) -> None:
+  cute.arch.inline_ptx("mbarrier.arrive.shared::cta.b64 _, [{$r0}];", read_only_args=[addr])
+
+
+def _mbar_arrive_tx(addr, nbytes) -> None:
+  """Arrives and adds ``nbytes`` to the phase's expected transaction count (the copies' complete_tx remove them)."""
+  cute.arch.inline_ptx("mbarrier.arrive.expect_tx.shared::cta.b64 _, [{$r0}], {$r1};",
+                       read_only_args=[addr, Int32(nbytes)])
+
+
+def _mbar_try(addr, parity) -> Int32:
+  """1 once the phase of parity ``parity`` has completed (try_wait: the thread may sleep a bounded while)."""
+  return v1._ptx1("{ .reg .pred _p; mbarrier.try_wait.parity.shared::cta.b64 _p, [{$r0}], {$r1}; "
+                  "selp.s32 {$w0}, 1, 0, _p; }", addr, Int32(parity))
+
+
+def _cp_arrive(addr) -> None:
+  """An arrival on the mbarrier once this thread's earlier cp.async copies have landed (counted in its init)."""
+  cute.arch.inline_ptx("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [{$r0}];", read_only_args=[addr])
+
+
+def _tma_tile(dst, tmap, c0, c1, bar) -> None:
+  """The TMA copy of the box at (c0, c1) of the 2D TensorMap at generic address ``tmap`` (a by-value kernel
+  parameter, `ptx.rewrite_tensormaps_by_value`) into SMEM ``dst``, completing bytes on ``bar``."""
+  cute.arch.inline_ptx("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [{$r0}], "
+                       "[{$r1}, {{$r2}, {$r3}}], [{$r4}];", read_only_args=[dst, tmap, Int32(c0), Int32(c1), bar])
+
+
+def _bulk(dst, src, nbytes: int, bar) -> None:
+  """A bulk copy of ``nbytes`` (a multiple of 16, both addresses 16-aligned) global -> SMEM, through L2 (rows other
+  CTAs wrote this call), completing bytes on ``bar``."""
+  cute.arch.inline_ptx("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [{$r0}], [{$r1}], "
+                       "{$r2}, [{$r3}];", read_only_args=[dst, src, Int32(nbytes), bar])
+
+
+def _fence_async_smem() -> None:
+  """Orders this thread's generic SMEM accesses before later async-proxy (TMA, bulk copy) writes of the same bytes."""
+  cute.arch.inline_ptx("fence.proxy.async.shared::cta;", read_only_args=[])
+
+
+def _fence_mbar_init() -> None:
+  cute.arch.inline_ptx("fence.mbarrier_init.release.cluster;", read_only_args=[])
 
 
 def _ldsm_x4(addr):
@@ -332,7 +411,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # SMEM: control words, the expert table (count[e], then the hit list), then the pipeline, in which v1's
     # shared-expert path (sAct, sExp, sNan, sA) also runs.
     self.table = CTRL_BYTES
-    self.pipe = CTRL_BYTES + (8 * v.experts + 127) // 128 * 128
+    # The dynamic SMEM is declared 1024-aligned (`STAGE_ALIGN`), and the pipeline starts at a multiple of it.
+    self.pipe = -(-(CTRL_BYTES + 8 * v.experts) // STAGE_ALIGN) * STAGE_ALIGN
     # Small routed-only variants (decode batches of at most 32 tokens) run passes of at most 16 rows with a
     # 128-register budget, so two CTAs share an SM and hide each other's latencies; the others run 64-row passes
     # (v1's shared-expert path needs more registers). At capacity 32 an expert hit by more than 16 tokens streams
@@ -348,6 +428,12 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # The split decode of narrow passes (`_stage`); not with the fused transport, whose extra code leaves it too few
     # registers at the two-CTA cap (ptxas spilled 40 B); `GCMOE_ABLATION=widedecode` turns it off for A/B timing.
     self.split_decode = not self.fused and self.ablation != "widedecode"
+    # The stage producer, chosen per target by measurement where there is one (docs/kernels_v2.md "The TMA
+    # producer"): on the H200 the TMA producer (`_tma_mainloop`) was as fast at B = 1 and up to 1.8x slower at
+    # B = 256 than every thread issuing cp.async (`_cpasync_mainloop`): one bulk copy per gathered B row leaves the
+    # TMA unit with up to 128 small requests per stage. sm_90a takes cp.async (`GCMOE_ABLATION=tma`: the TMA producer,
+    # results exact, for A/B timing); sm_120a/sm_121a, unmeasured, the paper's TMA producer (§4.4, §5.1).
+    self.tma = self.qmma or self.ablation == "tma"
     self.cache = abi.pull_cache(v.top_k, v.ranks)  # rx rows per (rank, token), else per (rank, token, slot)
     self.words = abi.counter_words(v.experts, v.capacity, v.shared, v.ranks, v.relay)
     self.relay_base = abi.relay_counters(v.experts, v.capacity, v.shared)
@@ -368,6 +454,21 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       self.pipe_bytes = n * stage_bytes(self.nt_max, self.token_stride)
     else:
       self.pipe_bytes = PIPE_STAGES[self.ctas - 1] * stage_bytes(self.nt_max)
+
+  def tensormaps(self) -> list[dict[str, int | str]]:
+    """Role 2's TensorMaps, in formal order after the ABI's (`abi.ROLE2_TENSORMAPS`): the W13 and W2 weight tiles.
+
+    Each weight tensor, ``[E][K/128][N][64 B]`` (`formats`), is a 2D map of bytes: 64 per row, ``E (K/128) N`` rows;
+    a box is one K128 tile of 128 rows (8 KiB), swizzled by 64 B, which is the layout `_weight_words` reads. The
+    runtime encodes each from its base pointer (the ABI formal ``param``) when the pointer changes and passes the
+    128-byte descriptors by value (csrc/gc_runtime.cc)."""
+    v = self.v
+    maps = []
+    for name, param, k, n in (("w13_map", "w13", v.hidden, 2 * v.intermediate),
+                              ("w2_map", "w2", v.intermediate, v.hidden)):
+      maps.append(dict(name=name, param=param, dtype="uint8", dims=[64, v.experts * (k // v1.K128) * n],
+                       row_stride=64, box=[64, TILE_M], swizzle=64))
+    return maps
 
   def dynamic_smem(self, role: int) -> int:
     if role == 1:
@@ -396,9 +497,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   def launch_role2(self, x: cute.Pointer, ids: cute.Pointer, route_weights: cute.Pointer, w13: cute.Pointer,
                    w13_scale: cute.Pointer, w2: cute.Pointer, w2_scale: cute.Pointer, s13: cute.Pointer,
                    s13_scale: cute.Pointer, s2: cute.Pointer, s2_scale: cute.Pointer, y: cute.Pointer,
-                   workspace: cute.Pointer, tokens: Int32, clamp: Float32):
+                   workspace: cute.Pointer, tokens: Int32, clamp: Float32, tmap_w13: Int64, tmap_w2: Int64):
     self.role2_tc(x, ids, route_weights, w13, w13_scale, w2, w2_scale, s13, s13_scale, s2, s2_scale, y,
-                  workspace, tokens, clamp).launch(
+                  workspace, tokens, clamp, tmap_w13, tmap_w2).launch(
       grid=[1, 1, 1], block=[THREADS, 1, 1], smem=self.dynamic_smem(2), min_blocks_per_mp=v1.MIN_CTAS_PER_SM)
     # (Two CTAs per SM: build.py rewrites .minnctapersm and .maxnreg and assembles with the local ptxas.)
 
@@ -520,12 +621,14 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   def role2_tc(self, x: cute.Pointer, ids: cute.Pointer, route_weights: cute.Pointer, w13: cute.Pointer,
                w13_scale: cute.Pointer, w2: cute.Pointer, w2_scale: cute.Pointer, s13: cute.Pointer,
                s13_scale: cute.Pointer, s2: cute.Pointer, s2_scale: cute.Pointer, y: cute.Pointer,
-               workspace: cute.Pointer, tokens: Int32, clamp: Float32):
+               workspace: cute.Pointer, tokens: Int32, clamp: Float32, tmap_w13: Int64, tmap_w2: Int64):
+    """Role 2. ``tmap_w13``/``tmap_w2``: the TensorMaps of the W13 and W2 weight tiles (`tensormaps`), passed by
+    value in the parameter space (the build's §5.1 rewrite turns these pointer formals into 128-byte ones)."""
     v, ws = self.v, self.ws
     tid, _, _ = cute.arch.thread_idx()
     bid, _, _ = cute.arch.block_idx()
     grid, _, _ = cute.arch.grid_dim()
-    ctl = cute.arch.get_dyn_smem(Int32, alignment=128).toint()
+    ctl = cute.arch.get_dyn_smem(Int32, alignment=STAGE_ALIGN).toint()
     table = ctl + self.table
     pipe = ctl + self.pipe
     wsb = workspace.toint()
@@ -636,7 +739,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
               failed = Int32(1)
             else:
               self._item(True, e, j, count, route_weights.toint(), w2.toint(), w2_scale.toint(), wsb, c_bits,
-                         cur, ctl, pipe)
+                         cur, ctl, pipe, tmap_w2)
               if cutlass.const_expr(self.relay):  # the copiers follow each expert's GEMM2 items done
                 cute.arch.sync_threads()
                 if tid == 0:
@@ -644,7 +747,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
                   _red_release_add(counters + Int64(self.relay_base + e) * v1.WORD_BYTES, 1)
           else:
             self._item(False, e, j, count, route_weights.toint(), w13.toint(), w13_scale.toint(), wsb, c_bits,
-                       cur, ctl, pipe)
+                       cur, ctl, pipe, tmap_w13)
             cute.arch.sync_threads()
             if tid == 0:
               cute.arch.fence_acq_rel_gpu()
@@ -666,7 +769,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   def _v1_smem(self):
     """v1's per-row SMEM (sAct, sExp, sNan, sA), carved from the pipeline area."""
     k_blocks = self.k_max // v1.K32
-    base = cute.arch.get_dyn_smem(Int32, alignment=128) + self.pipe // 4
+    base = cute.arch.get_dyn_smem(Int32, alignment=STAGE_ALIGN) + self.pipe // 4
     sAct = cute.make_tensor(base, cute.make_layout(self.k_max))
     sExp = cute.make_tensor(base + self.k_max, cute.make_layout(k_blocks))
     sNan = cute.make_tensor(base + self.k_max + k_blocks, cute.make_layout(k_blocks))
@@ -811,24 +914,25 @@ class RoleKernelsV2(v1.RoleKernelsV1):
 
   @cute.jit
   def _item(self, g2: cutlass.Constexpr, e: Int32, j: Int32, count: Int32, rwb: Int64, pw: Int64, psc: Int64,
-            wsb: Int64, c_bits: Int32, cur: Int32, ctl: Int32, pipe: Int32):
+            wsb: Int64, c_bits: Int32, cur: Int32, ctl: Int32, pipe: Int32, tmap: Int64):
     """One GEMM1 (g2 False) or GEMM2 item: the expert's rows in passes of up to 8 `nt_max` rows (`_chunk`)."""
     for n0 in range(0, count, 8 * self.nt_max):
       rem = cutlass.min(count - n0, 8 * self.nt_max)
       if rem <= 8:
-        self._chunk(g2, 1, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe)
+        self._chunk(g2, 1, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap)
       elif rem <= 16:
-        self._chunk(g2, 2, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe)
+        self._chunk(g2, 2, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap)
       else:
         if cutlass.const_expr(self.nt_max > 2):
           if rem <= 32:
-            self._chunk(g2, 4, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe)
+            self._chunk(g2, 4, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap)
           else:
-            self._chunk(g2, 8, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe)
+            self._chunk(g2, 8, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap)
 
   @cute.jit
   def _chunk(self, g2: cutlass.Constexpr, nt: cutlass.Constexpr, e: Int32, j: Int32, n0: Int32, count: Int32,
-             rwb: Int64, pw: Int64, psc: Int64, wsb: Int64, c_bits: Int32, cur: Int32, ctl: Int32, pipe: Int32):
+             rwb: Int64, pw: Int64, psc: Int64, wsb: Int64, c_bits: Int32, cur: Int32, ctl: Int32, pipe: Int32,
+             tmap: Int64):
     v, ws = self.v, self.ws
     tid, _, _ = cute.arch.thread_idx()
     warp, lane, g, t4 = _lanes()
@@ -875,6 +979,16 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       _sts(ctl + CTL_SLOT_SRC + tid * 4, src)
       _sts(ctl + CTL_SLOT_ASG + tid * 4, asg)
       _sts(ctl + CTL_SLOT_RW + tid * 4, rw)
+    tma = self.tma
+    bars = ctl + CTL_BARS
+    if cutlass.const_expr(tma):
+      if tid == 0:
+        for s in cutlass.range_constexpr(n_st):
+          _mbar_init(bars + 8 * s, 1 + 32)  # the producer lane 0's arrive.expect_tx, its 32 lanes' cp.async
+          _mbar_init(bars + 8 * (MAX_STAGES + s), THREADS)
+        _fence_mbar_init()
+        _sts(ctl + CTL_FAULT, -1)
+      _fence_async_smem()  # the epilogue and the shared-expert path wrote this area through the generic proxy
     rows_fast = Int32(1)
     if cutlass.const_expr(self.qmma):
       cute.arch.sync_threads()  # the slot table is read by every thread
@@ -885,32 +999,12 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     acc = cute.make_rmem_tensor(4 * nt, Int32)
     for i in cutlass.range_constexpr(4 * nt):
       acc[i] = Int32(0)
-    for s in cutlass.range_constexpr(n_st - 1):
-      if s < kb_n:
-        self._issue(s, pipe + s * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl)
-      _commit()
-    for kb in range(kb_n):
-      _wait_group(n_st - 2)
-      cute.arch.sync_threads()
-      nk = kb + n_st - 1
-      if nk < kb_n:
-        self._issue(nk, pipe + (nk % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps,
-                    ctl)
-      _commit()
-      sb = pipe + (kb % n_st) * st_bytes
-      scw = (_lds(sb + W_BYTES + (16 * warp + g) * 4), _lds(sb + W_BYTES + (16 * warp + g + 8) * 4))
-      if cutlass.const_expr(self.ablation == "nomath"):
-        acc[0] = acc[0] + scw[0] + scw[1]  # keeps the scale loads; no decode, MMA or epilogue
-      elif cutlass.const_expr(self.qmma):
-        self._stage_qmma(nt, sb, scw, acc)
-      else:
-        byte_ok = (((scw[0] ^ (scw[0] << 1)) & (scw[1] ^ (scw[1] << 1))) & SCALE_BYTE_BITS) == SCALE_BYTE_BITS
-        if (rows_fast != 0) & byte_ok:
-          self._stage(True, nt, sb, scw, acc)
-        else:
-          self._stage(False, nt, sb, scw, acc)
-    _wait_group(0)
-    cute.arch.sync_threads()  # the pipeline area is free: the epilogue reuses it
+    if cutlass.const_expr(tma):
+      self._tma_mainloop(nt, n_st, st_bytes, e, n0, count, psc_e, row0, n_rows, kb_n, nblk, planes, exps, wsb, cur,
+                         ctl, pipe, tmap, rows_fast, acc)
+    else:
+      self._cpasync_mainloop(nt, n_st, st_bytes, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl, pipe,
+                             rows_fast, acc)
 
     # ---- epilogue ---------------------------------------------------------------------------------------------
     if cutlass.const_expr(g2 and self.fused and not self.relay):
@@ -1074,6 +1168,156 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         self._wait_geq(self._returns_counter(wsb, cur), n * self.j2, wsb, cur, bid, Int32(abi.WAIT_RETURNS),
                        abi.ROLE_TRANSPORT, "sys")
     cute.arch.sync_threads()
+
+  @cute.jit
+  def _tma_mainloop(self, nt: cutlass.Constexpr, n_st: cutlass.Constexpr, st_bytes: cutlass.Constexpr, e: Int32,
+                    n0: Int32, count: Int32, psc_e: Int64, row0: Int32, n_rows: cutlass.Constexpr,
+                    kb_n: cutlass.Constexpr, nblk: cutlass.Constexpr, planes: Int64, exps: Int64, wsb: Int64,
+                    cur: Int32, ctl: Int32, pipe: Int32, tmap: Int64, rows_fast: Int32, acc: cute.Tensor):
+    """The K loop with warp 0 as the producer (paper §4.4's TMA producer, folded into the first math warp: a ninth
+    warp would cost the one-CTA variants their 255 registers and the two-CTA ones their second CTA). Stage ``kb``
+    lives in slot ``kb % n_st``; ``full[slot]`` completes when its copies landed: the weight tile by TMA (one
+    instruction, swizzled by the TensorMap), the B rows of the valid slots by bulk copies, the scale words by
+    cp.async (4 B each: their row stride need not be 16-aligned); ``empty[slot]`` when every thread has read it.
+    Warp 0 waits for the readers of a slot before refilling it; the other warps wait only for data, so they run
+    ahead of each other by up to the whole pipeline instead of meeting at a CTA barrier per stage."""
+    tid, _, _ = cute.arch.thread_idx()
+    warp, lane, g, t4 = _lanes()
+    slots = 8 * nt
+    bars = ctl + CTL_BARS
+    if warp == 0:
+      if lane == 0:
+        prod = ctl + CTL_PROD
+        _sts64(prod, psc_e + Int64(row0) * (kb_n * v1.WORD_BYTES))
+        _sts64(prod + 8, planes)
+        _sts64(prod + 16, exps)
+        _sts(prod + 24, e * (kb_n * n_rows) + row0)  # the tile's first row in the TensorMap at kb = 0
+        # The expected bytes of a stage: the weight tile and the valid slots' rows.
+        _sts(prod + 28, W_BYTES + cutlass.min(count - n0, Int32(slots)) *
+             (4 * 32 if self.qmma else 4 * BLOCK_BYTES + 16))
+      cute.arch.sync_warp()
+      for s in cutlass.range_constexpr(n_st - 1):
+        if s < kb_n:
+          self._produce(s, pipe + s * st_bytes, bars + 8 * s, slots, tmap, n_rows, kb_n, nblk, ctl)
+    for kb in range(kb_n):
+      if warp == 0:
+        # Refill the slot of stage kb - 1 with stage kb + n_st - 1 before computing stage kb (n_st - 1 stages in
+        # flight, as with the per-thread pipeline), once every thread has read stage kb - 1.
+        nk = kb + n_st - 1
+        if nk < kb_n:
+          ns = nk % n_st
+          if nk >= n_st:
+            empty = bars + 8 * (MAX_STAGES + ns)
+            if _mbar_try(empty, (nk // n_st - 1) & 1) == 0:
+              self._mbar_spin(empty, (nk // n_st - 1) & 1, wsb, ctl, nk)
+          self._produce(nk, pipe + ns * st_bytes, bars + 8 * ns, slots, tmap, n_rows, kb_n, nblk, ctl)
+      slot = kb % n_st
+      full = bars + 8 * slot
+      if _mbar_try(full, (kb // n_st) & 1) == 0:
+        self._mbar_spin(full, (kb // n_st) & 1, wsb, ctl, kb)
+      self._compute(nt, pipe + slot * st_bytes, rows_fast, acc)
+      _mbar_arrive(bars + 8 * (MAX_STAGES + slot))
+    cute.arch.sync_threads()  # every stage read: the pipeline area is the epilogue's, the barriers retire
+    if tid == 0:
+      stuck = _lds(ctl + CTL_FAULT)
+      if stuck >= 0:
+        bid, _, _ = cute.arch.block_idx()
+        v1._record_fault(wsb, 2, bid, cur, Int32(abi.WAIT_PIPE), stuck)
+      for s in cutlass.range_constexpr(n_st):
+        _mbar_inval(bars + 8 * s)
+        _mbar_inval(bars + 8 * (MAX_STAGES + s))
+
+  @cute.jit
+  def _produce(self, kb: Int32, sb: Int32, bar: Int32, slots: cutlass.Constexpr, tmap: Int64,
+               n_rows: cutlass.Constexpr, kb_n: cutlass.Constexpr, nblk: cutlass.Constexpr, ctl: Int32):
+    """Warp 0: the copies of K128 block ``kb`` into the stage at ``sb``, completing on ``bar`` (the pass's state at
+    ``CTL_PROD``)."""
+    lane = cute.arch.lane_idx()
+    prod = ctl + CTL_PROD
+    planes = _lds64(prod + 8)
+    exps = _lds64(prod + 16)
+    xe_off = W_BYTES + SC_BYTES
+    xp_off = xe_off + slots * 16
+    sc = _lds64(prod) + (Int64(lane) * kb_n + kb) * v1.WORD_BYTES
+    for i in cutlass.range_constexpr(TILE_M // 32):
+      _cp4(sb + W_BYTES + (lane + 32 * i) * 4, sc + 32 * i * kb_n * v1.WORD_BYTES)
+    for h in cutlass.range_constexpr((slots + 31) // 32):
+      slot = lane + 32 * h
+      src = Int32(-1)
+      if slot < slots:
+        src = _lds(ctl + CTL_SLOT_SRC + slot * 4)
+      if src >= 0:
+        blk = Int64(src) * nblk + 4 * kb
+        if cutlass.const_expr(self.qmma):
+          # Plane 0 (the E4M3 codes) of the four blocks by bulk copies, the packed UE8M0 word (4 B) by cp.async.
+          _cp4(sb + xe_off + slot * 16, exps + blk)
+          for q in cutlass.range_constexpr(4):
+            _bulk(sb + xp_off + slot * self.token_stride + 32 * q, planes + (blk + q) * BLOCK_BYTES, 32, bar)
+        else:
+          _bulk(sb + xp_off + slot * self.token_stride, planes + blk * BLOCK_BYTES, 4 * BLOCK_BYTES, bar)
+          _bulk(sb + xe_off + slot * 16, exps + blk * 4, 16, bar)
+    _cp_arrive(bar)
+    if lane == 0:
+      _tma_tile(sb, tmap, 0, _lds(prod + 24) + kb * n_rows, bar)
+      _mbar_arrive_tx(bar, _lds(prod + 28))
+
+  @cute.jit
+  def _mbar_spin(self, bar: Int32, parity: Int32, wsb: Int64, ctl: Int32, kb: Int32):
+    """A pipeline wait past its first try, bounded by ``header.timeout_ns``. A timeout leaves the K128 block at
+    ``CTL_FAULT`` and the loop goes on; after the loop the CTA records (role 2, block, epoch, `abi.WAIT_PIPE`, the
+    block) and role 3 sets the call's outputs to NaN (kept out of the loop: this code sits among the MMAs of the
+    two-CTA variants, at their 128-register cap)."""
+    # In units of 1024 ns, 32-bit (wraps after 73 minutes): the spin sits inside the MMA loop of two-CTA variants
+    # at their 128-register cap, where 64-bit time values spilled.
+    bound = Int32(v1._ld(wsb + abi.HEADER["timeout_ns"], cutlass.Uint64) >> 10)
+    start = Int32(cute.arch.globaltimer() >> 10)
+    ready = Int32(0)
+    elapsed = Int32(0)
+    while (ready == 0) & (elapsed <= bound):
+      ready = _mbar_try(bar, parity)
+      elapsed = Int32(cute.arch.globaltimer() >> 10) - start
+    if ready == 0:
+      _sts(ctl + CTL_FAULT, kb)
+
+  @cute.jit
+  def _cpasync_mainloop(self, nt: cutlass.Constexpr, n_st: cutlass.Constexpr, st_bytes: cutlass.Constexpr,
+                        pw_e: Int64, psc_e: Int64, row0: Int32, n_rows: cutlass.Constexpr, kb_n: cutlass.Constexpr,
+                        nblk: cutlass.Constexpr, planes: Int64, exps: Int64, ctl: Int32, pipe: Int32,
+                        rows_fast: Int32, acc: cute.Tensor):
+    """The K loop of the per-thread producer (sm_90a): every thread issues cp.async copies of the stage kb + n_st - 1
+    and the CTA meets at a barrier per stage."""
+    slots = 8 * nt
+    for s in cutlass.range_constexpr(n_st - 1):
+      if s < kb_n:
+        self._issue(s, pipe + s * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl)
+      _commit()
+    for kb in range(kb_n):
+      _wait_group(n_st - 2)
+      cute.arch.sync_threads()
+      nk = kb + n_st - 1
+      if nk < kb_n:
+        self._issue(nk, pipe + (nk % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps,
+                    ctl)
+      _commit()
+      self._compute(nt, pipe + (kb % n_st) * st_bytes, rows_fast, acc)
+    _wait_group(0)
+    cute.arch.sync_threads()  # the pipeline area is free: the epilogue reuses it
+
+  @cute.jit
+  def _compute(self, nt: cutlass.Constexpr, sb: Int32, rows_fast: Int32, acc: cute.Tensor):
+    """The MMAs of the stage at ``sb``: this thread's rows' scale words, then the fast or the slow path."""
+    warp, lane, g, t4 = _lanes()
+    scw = (_lds(sb + W_BYTES + (16 * warp + g) * 4), _lds(sb + W_BYTES + (16 * warp + g + 8) * 4))
+    if cutlass.const_expr(self.ablation == "nomath"):
+      acc[0] = acc[0] + scw[0] + scw[1]  # keeps the scale loads; no decode, MMA or epilogue
+    elif cutlass.const_expr(self.qmma):
+      self._stage_qmma(nt, sb, scw, acc)
+    else:
+      byte_ok = (((scw[0] ^ (scw[0] << 1)) & (scw[1] ^ (scw[1] << 1))) & SCALE_BYTE_BITS) == SCALE_BYTE_BITS
+      if (rows_fast != 0) & byte_ok:
+        self._stage(True, nt, sb, scw, acc)
+      else:
+        self._stage(False, nt, sb, scw, acc)
 
   @cute.jit
   def _stage(self, fast: cutlass.Constexpr, nt: cutlass.Constexpr, sb: Int32, scw, acc: cute.Tensor):
