@@ -69,8 +69,9 @@ _DSL_PREFIX = "nvidia-cutlass-dsl"
 _PTX_PARAM_TYPES = (".u64",) * abi.NUM_POINTER_PARAMS + (".u32", ".f32")
 _PTX_TYPE_BYTES = {".u64": 8, ".u32": 4, ".f32": 4, ".s32": 4, ".b32": 4, ".b64": 8, ".b8": 1}
 _STATIC_SMEM_LIMIT = 48 * 1024  # static __shared__ above this needs dynamic SMEM
-# Local memory (spill) bytes a role may use. Role 2 of the two-CTA variants runs at a 128-register cap and ptxas
-# spills 16-40 B there (docs/kernels_v2.md); every other kernel must not spill.
+# Spilled bytes a role may have (ptxas's spill stores). Role 2 of the two-CTA variants runs at a 128-register cap:
+# ptxas spills 8-16 B there with the cp.async producer, up to 40 B with the TMA producer on sm_90a (docs/kernels_v2.md);
+# every other kernel must not spill.
 _SPILL_BUDGET = {2: 48}
 # The stack frame ptxas gives an sm_120a kernel that issues TMA through a by-value TensorMap, without spilling (nvcc's
 # own __grid_constant__ CUtensorMap kernels show it too; sm_90a has none).

@@ -43,7 +43,7 @@ _QMMA = "mma.sync.aligned.kind::mxf8f6f4.block_scale.scale_vec::1X.m16n8k32.row.
 ROLE2_FEATURES = {
   ("v2", "sm_90a"): (_INT8_MMA, *_CPASYNC_PIPELINE),
   ("v2+tma", "sm_90a"): (_INT8_MMA, *_TMA_PIPELINE),
-  **{("v2", arch): (_QMMA, *_TMA_PIPELINE) for arch in ("sm_120a", "sm_121a")},
+  **{(gen, arch): (_QMMA, *_TMA_PIPELINE) for arch in ("sm_120a", "sm_121a") for gen in ("v2", "v2+tma")},
 }
 
 
