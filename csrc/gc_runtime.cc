@@ -218,6 +218,23 @@ WeakCache<Runtime>& Cache() { return WeakCache<Runtime>::Instance(); }
 
 }  // namespace
 
+namespace {
+
+// Zeroes the workspace `ws` of variant `s` and writes its header (`header` with epoch 0, the spin bound and no stalled
+// expert) and the silu table; the rest needs no initial value (epochs). Runs in `ws`'s context.
+std::string InitWorkspace(const CudaDriver& cu, CUdeviceptr ws, const VariantSpec& s, WorkspaceHeader header) {
+  header.timeout_ns = s.timeout_ns;
+  header.stall_expert = -1;
+  GCMOE_CU_OR_RETURN(cu, cu.cuMemsetD8(ws, 0, static_cast<size_t>(s.ws_total)), "cuMemsetD8(workspace)");
+  GCMOE_CU_OR_RETURN(cu, cu.cuMemcpyHtoD(ws, &header, sizeof(header)), "cuMemcpyHtoD(workspace header)");
+  GCMOE_CU_OR_RETURN(cu, cu.cuMemcpyHtoD(ws + s.ws_silu_table, s.silu_table.data(),
+                                         s.silu_table.size() * sizeof(float)),
+                     "cuMemcpyHtoD(silu table)");
+  return "";
+}
+
+}  // namespace
+
 // ---- The fused transport's peer groups (one process driving several GPUs) -----------------------------------------
 
 // The R workspaces of one group of the fused transport (docs/fused_transport.md), one on each of its devices,
@@ -290,16 +307,13 @@ std::string PeerGroup::Init(const VariantSpec& s, const std::vector<int32_t>& or
     GCMOE_CU(cu_.cuMemAlloc(&ws_[p], static_cast<size_t>(s.ws_total)));
   }
   WorkspaceHeader header{};
-  header.timeout_ns = s.timeout_ns;
-  header.stall_expert = -1;
   for (size_t p = 0; p < r; ++p) header.peers[p] = ws_[p];
   for (size_t p = 0; p < r; ++p) {
     ScopedContext current(cu_, primary_[p]);
     GCMOE_CU(current.status());
     header.rank = static_cast<uint32_t>(p);
-    GCMOE_CU(cu_.cuMemsetD8(ws_[p], 0, static_cast<size_t>(s.ws_total)));
-    GCMOE_CU(cu_.cuMemcpyHtoD(ws_[p], &header, sizeof(header)));
-    GCMOE_CU(cu_.cuMemcpyHtoD(ws_[p] + s.ws_silu_table, s.silu_table.data(), s.silu_table.size() * sizeof(float)));
+    std::string err = InitWorkspace(cu_, ws_[p], s, header);
+    if (!err.empty()) return err;
   }
   return "";
 }
@@ -461,14 +475,8 @@ std::string Runtime::Build(int64_t tokens, float clamp) {
     }
   }
 
-  // ---- Workspace: header (epoch 0, timeout, stall hook), silu table; the rest needs no initial value (epochs). A
-  // rank of a peer group uses the group's workspace, initialised with the group (PeerGroup::Init).
-  if (group_ != nullptr) {
-    workspace_ = group_->workspace(rank_);
-  } else {
-    GCMOE_CU(cu_.cuMemAlloc(&workspace_, static_cast<size_t>(s.ws_total)));
-    GCMOE_CU(cu_.cuMemsetD8(workspace_, 0, static_cast<size_t>(s.ws_total)));
-  }
+  // ---- The pinned mirror of the fault record, then the workspace (InitWorkspace); a rank of a peer group uses the
+  // group's workspace, initialised with the group (PeerGroup::Init), and only adds its mirror's address.
   void* host = nullptr;
   GCMOE_CU(cu_.cuMemHostAlloc(&host, sizeof(WorkspaceHeader), CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP));
   host_header_ = static_cast<WorkspaceHeader*>(host);
@@ -476,15 +484,14 @@ std::string Runtime::Build(int64_t tokens, float clamp) {
   CUdeviceptr mirror = 0;
   GCMOE_CU(cu_.cuMemHostGetDevicePointer(&mirror, host, 0));
   if (group_ != nullptr) {
+    workspace_ = group_->workspace(rank_);
     GCMOE_CU(cu_.cuMemcpyHtoD(workspace_ + offsetof(WorkspaceHeader, host_mirror), &mirror, sizeof(mirror)));
   } else {
+    GCMOE_CU(cu_.cuMemAlloc(&workspace_, static_cast<size_t>(s.ws_total)));
     WorkspaceHeader header{};
-    header.timeout_ns = s.timeout_ns;
-    header.stall_expert = -1;
     header.host_mirror = mirror;
-    GCMOE_CU(cu_.cuMemcpyHtoD(workspace_, &header, sizeof(header)));
-    GCMOE_CU(cu_.cuMemcpyHtoD(workspace_ + s.ws_silu_table, s.silu_table.data(),
-                              s.silu_table.size() * sizeof(float)));
+    std::string err = InitWorkspace(cu_, workspace_, s, header);
+    if (!err.empty()) return err;
   }
 
   // ---- The graph: roles 1 and 2 concurrent roots, role 3 after both.

@@ -979,9 +979,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       _sts(ctl + CTL_SLOT_SRC + tid * 4, src)
       _sts(ctl + CTL_SLOT_ASG + tid * 4, asg)
       _sts(ctl + CTL_SLOT_RW + tid * 4, rw)
-    tma = self.tma
+    # The TMA producer's barriers start each pass here, before the slot table's CTA barrier makes them visible.
     bars = ctl + CTL_BARS
-    if cutlass.const_expr(tma):
+    if cutlass.const_expr(self.tma):
       if tid == 0:
         for s in cutlass.range_constexpr(n_st):
           _mbar_init(bars + 8 * s, 1 + 32)  # the producer lane 0's arrive.expect_tx, its 32 lanes' cp.async
@@ -999,7 +999,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     acc = cute.make_rmem_tensor(4 * nt, Int32)
     for i in cutlass.range_constexpr(4 * nt):
       acc[i] = Int32(0)
-    if cutlass.const_expr(tma):
+    if cutlass.const_expr(self.tma):
       self._tma_mainloop(nt, n_st, st_bytes, e, n0, count, psc_e, row0, n_rows, kb_n, nblk, planes, exps, wsb, cur,
                          ctl, pipe, tmap, rows_fast, acc)
     else:
