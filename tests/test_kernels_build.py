@@ -151,6 +151,8 @@ def test_v2_role2_is_mma_over_its_targets_pipeline(built, arch):
     assert {re.search(r"_param_(1[56]);", ln).group(1) for ln in copies} == {"15", "16"}
     assert "cp.async.cg.shared.global" not in ptx
   assert "red.release.gpu.global.add.u32" in ptx, "tile completion is published with release"
+  # Work items come from the call's queue: one atomic claim per item, not a fixed round-robin.
+  assert "atom.relaxed.gpu.global.add.u32" in ptx, "role 2 claims its items from the queue"
 
 
 @needs_dsl
@@ -356,6 +358,11 @@ def test_fused_workspace_holds_every_ranks_rows_and_leaves_the_local_layout_alon
   relay = Variant(512, 256, 4, 4, 16, ranks=2, relay=True).workspace("v2")
   assert relay.total - relay.relay_arena >= 2 * 16 * 2 * 4 * 512 and fused.relay_arena == fused.total
   assert abi.counter_words(4, 16, False, 2, True) == abi.counter_words(4, 16, False, 2) + 4
+  # Role 2's item queue is the last word of each parity, after every other counter (role 3 zeroes all of them).
+  for args in ((4, 16, False), (4, 16, True), (4, 16, False, 2), (4, 16, True, 2, True)):
+    assert abi.queue_counter(*args) == abi.counter_words(*args) - 1
+  assert abi.queue_counter(4, 16, False, 2, True) > abi.relay_counters(4, 16, False) + 4 - 1
+  assert abi.queue_counter(4, 16, False, 2) > max(abi.fused_counters(4, 16, False))
 
 
 @needs_dsl
@@ -369,6 +376,16 @@ def test_fused_roles_synchronise_at_system_scope(cache):
   assert "ld.acquire.sys" in role3
   local = build.compile_variant("sm_90a", SMALL, cache_dir=cache)
   assert ".sys" not in _ptx(local, 2)
+
+
+@needs_dsl
+@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
+def test_the_static_ablation_builds_the_round_robin(cache, monkeypatch):
+  """GCMOE_ABLATION=static (A/B timing of the item queue) hands items out round-robin: no claim in role 2."""
+  monkeypatch.setenv("GCMOE_ABLATION", "static")
+  meta = build.compile_variant("sm_90a", SMALL, cache_dir=cache)
+  assert "+static-" in meta["key"]
+  assert "atom.relaxed.gpu.global.add.u32" not in _ptx(meta, 2)
 
 
 def test_an_ablation_build_has_its_own_cubin_key(monkeypatch):

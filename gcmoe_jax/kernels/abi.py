@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["HEADER", "PARAMS", "Workspace", "counter_words", "fused_counters", "pull_cache", "relay_counters",
-           "workspace_layout", "SILU_TABLE_ENTRIES"]
+__all__ = ["HEADER", "PARAMS", "Workspace", "counter_words", "fused_counters", "pull_cache", "queue_counter",
+           "relay_counters", "workspace_layout", "SILU_TABLE_ENTRIES"]
 
 # Kernel parameter names, in order: 13 pointers, then T (int32) and clamp (float32).
 PARAMS = ("x", "ids", "route_weights", "w13", "w13_scale", "w2", "w2_scale", "s13", "s13_scale", "s2", "s2_scale",
@@ -146,8 +146,14 @@ class Workspace:
 
 def counter_words(experts: int, capacity: int, shared: bool, ranks: int = 1, relay: bool = False) -> int:
   """Words of one parity of the v2 ``counters`` section: E experts, the x-quantization count, with a shared
-  expert one per token, with R > 1 ranks two more (`fused_counters`), and on the relay return path one per
-  expert (its GEMM2 items done, `relay_counters`)."""
+  expert one per token, with R > 1 ranks two more (`fused_counters`), on the relay return path one per
+  expert (its GEMM2 items done, `relay_counters`), and last role 2's item queue (`queue_counter`)."""
+  return queue_counter(experts, capacity, shared, ranks, relay) + 1
+
+
+def queue_counter(experts: int, capacity: int, shared: bool, ranks: int = 1, relay: bool = False) -> int:
+  """Word index, in one parity of ``counters``, of role 2's item queue: each CTA claims its next work item by an
+  atomic add on it (items in the order of `roles_v2.RoleKernelsV2.role2_tc`), role 3 zeroes it for the next call."""
   return experts + 1 + (capacity if shared else 0) + (2 if ranks > 1 else 0) + (experts if relay else 0)
 
 

@@ -84,7 +84,8 @@ TOKEN_STRIDE = 4 * BLOCK_BYTES + 32  # SMEM bytes per token per K128 stage: padd
 QMMA_TOKEN_STRIDE = 4 * 32 + 32  # the sm_120a seam stages plane 0 only (E4M3 codes); conflict-free for lds.v2 too
 W_BYTES = TILE_M * 64  # weight tile per K128 (E2M1, 64 B per row)
 SC_BYTES = TILE_M * 4
-CTRL_BYTES = 1024  # [ok, count, ...] and per-slot token/assignment/route-weight words, then the expert table
+CTRL_BYTES = 1024  # [ok, count, claimed item, -] and per-slot token/assignment/route-weight words, then the expert table
+CTL_CLAIM = 8  # the item this CTA claimed from the queue (`RoleKernelsV2._claim`)
 CTL_SLOT_SRC, CTL_SLOT_ASG, CTL_SLOT_RW = 16, 16 + 32 * NT_MAX, 16 + 64 * NT_MAX
 MAX_STAGES = 8
 # The pipeline's mbarriers in the control area: full[MAX_STAGES] (the producer's arrivals and the copies' bytes),
@@ -336,6 +337,11 @@ def _weight_words(sb, warp, lane):
   return (m01[0], m01[1], m01[2], m01[3], m23[0], m23[1], m23[2], m23[3])
 
 
+def _atom_add(addr, v) -> Int32:
+  """The old value of a relaxed gpu-scope atomic add (the item queue: an order of claims, no data published)."""
+  return v1._ptx1("atom.relaxed.gpu.global.add.u32 {$w0}, [{$r0}], {$r1};", addr, Int32(v))
+
+
 def _red_release_add(addr, v) -> None:
   cute.arch.inline_ptx("red.release.gpu.global.add.u32 [{$r0}], {$r1};", read_only_args=[addr, Int32(v)])
 
@@ -437,6 +443,11 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     self.cache = abi.pull_cache(v.top_k, v.ranks)  # rx rows per (rank, token), else per (rank, token, slot)
     self.words = abi.counter_words(v.experts, v.capacity, v.shared, v.ranks, v.relay)
     self.relay_base = abi.relay_counters(v.experts, v.capacity, v.shared)
+    self.queue = abi.queue_counter(v.experts, v.capacity, v.shared, v.ranks, v.relay)
+    # Items are claimed from a queue (an atomic add per item) in item order, so a CTA that finished early takes the
+    # next item: static round-robin gave GLM5.2 B = 1 a critical path of 2 GEMM1 + 1 GEMM2 items against a mean of
+    # 1.6 GEMM1 items' worth (docs/kernels_v2.md "The item queue"). `GCMOE_ABLATION=static` builds the round-robin.
+    self.dynamic = self.ablation != "static"
     self.rcap = v.capacity * v.ranks
     self.tags = CTRL_BYTES // 8
     self.role1_smem = (self.tags + (self.rcap * v.top_k + 3) // 4 * 4 + 127) // 128 * 128 if self.fused else 0
@@ -705,6 +716,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     n_items = cutlass.select_(ok != 0, n1 + n2 + n_s1 + n_s2, Int32(0))
     failed = Int32(0)
     first, step = bid, grid32
+    takes = Int32(1)
     if cutlass.const_expr(self.relay):
       # The relay return path: the first min(R, grid - 1) CTAs are copiers (paper eq. 13 with one reserved CTA),
       # the others take the items.
@@ -714,8 +726,12 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       if bid < n_relay:
         if ok != 0:
           self._copier(bid, n_relay, n_hit, table, wsb, cur, bid, counters, pipe)
-        first = n_items  # a copier takes no item
-    for item in range(first, n_items, step):
+        takes = Int32(0)  # a copier takes no item
+    queue = counters + Int64(self.queue) * v1.WORD_BYTES
+    item = cutlass.select_(takes != 0, first, n_items)
+    if cutlass.const_expr(self.dynamic):
+      item = self._claim(queue, ctl, takes, n_items)
+    while item < n_items:
       if failed == 0:
         it = item  # the routed item (GEMM1 tiles, then GEMM2 tiles)
         routed = item < n1 + n2
@@ -765,6 +781,30 @@ class RoleKernelsV2(v1.RoleKernelsV1):
               t = s // self.n_hb
               failed = self._shared_gemm2(t, s - t * self.n_hb, s2.toint(), s2_scale.toint(), wsb, cur, bid,
                                           token_counters + Int64(t) * v1.WORD_BYTES)
+      # A CTA that failed a wait goes on claiming (and skipping) items, as with the round-robin, so the claims of
+      # the others stay in item order.
+      if cutlass.const_expr(self.dynamic):
+        item = self._claim(queue, ctl, takes, n_items)
+      else:
+        item = item + step
+
+  @cute.jit
+  def _claim(self, queue: Int64, ctl: Int32, takes: Int32, n_items: Int32) -> Int32:
+    """The next item of this CTA from the call's queue (every thread gets it; ``n_items`` or more: none left).
+
+    Claims are handed out in item order, and every item waits only for earlier ones (GEMM2 tiles for their
+    expert's GEMM1 tiles, the shared expert's GEMM2 blocks for its GEMM1 blocks), which CTAs that are running hold:
+    with the whole grid resident, the queue cannot deadlock."""
+    tid, _, _ = cute.arch.thread_idx()
+    if tid == 0:
+      claimed = n_items
+      if takes != 0:
+        claimed = _atom_add(queue, 1)
+      _sts(ctl + CTL_CLAIM, claimed)
+    cute.arch.sync_threads()
+    item = _lds(ctl + CTL_CLAIM)
+    cute.arch.sync_threads()  # every thread read it before the next claim overwrites it
+    return item
 
   def _v1_smem(self):
     """v1's per-row SMEM (sAct, sExp, sNan, sA), carved from the pipeline area."""
