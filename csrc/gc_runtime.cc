@@ -778,13 +778,21 @@ GCMOE_EXPORT int gcmoe_register_variant(const char* key, const int64_t* config, 
     const int64_t* f = tensormaps + i * gcmoe::kTensorMapFields;
     maps[i] = gcmoe::TensorMapSpec{f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7]};
     const gcmoe::TensorMapSpec& m = maps[i];
-    if (m.param < 0 || m.param >= gcmoe::kNumPointerParams || m.dim0 < 1 || m.dim1 < 1 || m.row_stride % 16 != 0 ||
-        m.box0 < 1 || m.box0 > 256 || m.box1 < 1 || m.box1 > 256 || m.swizzle < 0 || m.swizzle > 3) {
+    // Bytes (CU_TENSOR_MAP_DATA_TYPE_UINT8), or the expanded FP4 path's 4-bit codes unpacked to 16-byte slots
+    // (CU_TENSOR_MAP_DATA_TYPE_16U4_ALIGN16B), with the driver's rules for that type checked here, at registration.
+    const bool u4 = m.dtype == CU_TENSOR_MAP_DATA_TYPE_16U4_ALIGN16B;
+    const bool u4_ok = !u4 || (m.dim0 % 128 == 0 && m.box0 == 128 && m.row_stride % 32 == 0 &&
+                               (m.swizzle == CU_TENSOR_MAP_SWIZZLE_NONE || m.swizzle == CU_TENSOR_MAP_SWIZZLE_128B));
+    if (m.param < 0 || m.param >= gcmoe::kNumPointerParams || (m.dtype != CU_TENSOR_MAP_DATA_TYPE_UINT8 && !u4) ||
+        !u4_ok || m.dim0 < 1 || m.dim1 < 1 || m.row_stride % 16 != 0 || m.box0 < 1 || m.box0 > 256 || m.box1 < 1 ||
+        m.box1 > 256 || m.swizzle < 0 || m.swizzle > 3) {
       return gcmoe::FailWith("gcmoe_register_variant: TensorMap " + std::to_string(i) + " is malformed (param " +
-                                 std::to_string(m.param) + ", dims " + std::to_string(m.dim0) + " x " +
-                                 std::to_string(m.dim1) + ", row stride " + std::to_string(m.row_stride) +
-                                 ", box " + std::to_string(m.box0) + " x " + std::to_string(m.box1) + ", swizzle " +
-                                 std::to_string(m.swizzle) + ")",
+                                 std::to_string(m.param) + ", dtype " + std::to_string(m.dtype) + ", dims " +
+                                 std::to_string(m.dim0) + " x " + std::to_string(m.dim1) + ", row stride " +
+                                 std::to_string(m.row_stride) + ", box " + std::to_string(m.box0) + " x " +
+                                 std::to_string(m.box1) + ", swizzle " + std::to_string(m.swizzle) +
+                                 "; accepted: dtype 0 (bytes) or 14 (16U4_ALIGN16B: dims[0] a multiple of 128, "
+                                 "box[0] 128, row stride a multiple of 32, swizzle none or 128 B))",
                              error, error_size);
     }
   }

@@ -564,6 +564,15 @@ def select_tile_n(r: int) -> tuple[int, str]:
   return 64, f"r={r}, {where}: outside every tier of eq. 8, fallback 64 (§4.4)"
 
 
+COMPACT_TILES = (48, 80, 96)  # §4.3/§4.4: the tile widths where compact FP4 weights buy a co-resident CTA
+
+
+def compact_weights(tile_n: int) -> bool:
+  """c_w of eq. 11: whether a tile of width ``tile_n`` stages the compact FP4 weights (raw nibbles, expanded in
+  registers) rather than the expanded ones (8-bit containers from the TMA): exactly the `COMPACT_TILES` tiers."""
+  return tile_n in COMPACT_TILES
+
+
 def shared_tile_n(B: int) -> int:
   """tile_ns of eq. 12: the smallest of {8, 16, 32, 64} that holds B tokens, else 64."""
   # The paper says only "chosen from the token count"; the smallest tile that covers B wastes the fewest padded
@@ -711,7 +720,7 @@ def _plan(p: Problem, dev: Device, dispatch_sms: int | None) -> Plan:
   stages = 4 if tile_n == 16 else 2
   why.append(f"stages = {stages}: " + ("tile_n = 16 is too small to hide latency with two (§4.4)" if stages == 4
                                        else "two stages for every tile_n > 16 (§4.4)"))
-  compact = tile_n in (48, 80, 96)
+  compact = compact_weights(tile_n)
   why.append(f"compact weights = {_yn(compact)}: " + (
     f"tile_n = {tile_n} is a {{48, 80, 96}} tier, where the freed 4 KB per stage decides co-residency (§4.3, §4.4)"
     if compact else f"only the {{48, 80, 96}} tiers stage compact FP4; tile_n = {tile_n} stages expanded weights"))

@@ -448,7 +448,13 @@ def _w13_map(**change) -> dict:
 @pytest.mark.parametrize("maps, message", [
   ([_w13_map()], None),
   ([_w13_map(), _w13_map(param="w2")], None),
-  ([_w13_map(box=[64, 300])], r"TensorMap 0 is malformed \(param 3, dims 64 x 16384, row stride 64, box 64 x 300"),
+  ([_w13_map(dtype="u4x16_align16", dims=[128, 16384], box=[128, 128], swizzle=128)], None),
+  ([_w13_map(box=[64, 300])], r"TensorMap 0 is malformed \(param 3, dtype 0, dims 64 x 16384, row stride 64, box 64 x "
+                              r"300"),
+  ([_w13_map(dtype="u4x16_align16", dims=[128, 16384], box=[64, 128], swizzle=128)],
+   r"TensorMap 0 is malformed \(param 3, dtype 14, .* box 64 x 128, swizzle 3; accepted: .*box\[0\] 128"),
+  ([_w13_map(dtype="u4x16_align16", dims=[128, 16384], box=[128, 128], swizzle=64)],
+   r"TensorMap 0 is malformed .*dtype 14, .*swizzle 2;"),
   ([_w13_map(row_stride=72)], r"TensorMap 0 is malformed .* row stride 72,"),
   ([_w13_map(dims=[64, 0])], r"TensorMap 0 is malformed .* dims 64 x 0,"),
 ])

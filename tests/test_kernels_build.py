@@ -132,7 +132,15 @@ def test_v2_role2_is_mma_over_its_targets_pipeline(built, arch):
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx, "activations are stored as E4M3 codes"
   if two_ctas:
     assert ".minnctapersm 2" in ptx and ".maxnreg 128" in ptx, "the §5.1 rewrites of the two-CTA variant"
-  assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in ptx
+  # The weight fragments: sm_90a and the compact FP4 path by ldmatrix.b16 on the raw nibbles; SMALL on sm_120a
+  # (tile_n 16: not a compact tier) by the expanded path's 4-bit unpack, one shift per register, no prmt.
+  expanded = built[arch]["roles"][1]["fp4_weights"] == "expanded"
+  assert expanded == (arch != "sm_90a")
+  if expanded:
+    assert "ldmatrix.sync.aligned.m8n16.x4.shared.b8x16.b4x16_p64" in ptx and "b16" not in re.findall(
+      r"ldmatrix\.[\w.]+", ptx)[0] and "prmt.b32" not in ptx
+  else:
+    assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in ptx
   # Both targets take the two weight TensorMaps by value after the ABI's formals (§5.1 rewrite).
   assert len(re.findall(r"\.param \.align 128 \.b8 \w+_param_1[56]\[128\]", ptx)) == 2
   tma = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
@@ -151,7 +159,8 @@ def test_v2_role2_is_mma_over_its_targets_pipeline(built, arch):
     assert {re.search(r"_param_(1[56]);", ln).group(1) for ln in copies} == {"15", "16"}
     assert "cp.async.cg.shared.global" not in ptx
   assert "red.release.gpu.global.add.u32" in ptx, "tile completion is published with release"
-  # Work items come from the call's queue: one atomic claim per item, not a fixed round-robin.
+  # Work items come from the call's queue: one atomic claim per item, not a fixed round-robin (SMALL is routed
+  # only; the shared-expert variants keep the round-robin, `test_shared_expert_variant_compiles`).
   assert "atom.relaxed.gpu.global.add.u32" in ptx, "role 2 claims its items from the queue"
 
 
@@ -172,6 +181,40 @@ def test_role2_tensormaps_cover_the_weight_tensors(variant):
     assert m["dims"][0] == m["row_stride"] == 64 and m["box"] == [64, 128] and m["swizzle"] == 64
     assert m["dims"][1] < 2**31  # TMA coordinates are int32
     assert abi.tensormap_fields(m)[0] == abi.PARAMS.index(m["param"])
+
+
+@needs_dsl
+@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
+@pytest.mark.parametrize("variant, compact", [
+  (SMALL, False),  # r = 8: tile_n 16
+  (Variant(512, 256, 8, 1, 256), True),  # r = 32: tile_n 48
+  (Variant(6144, 2048, 32, 8, 64), False),  # GLM5.2 B = 64, r = 16: tile_n 32
+  (Variant(6144, 2048, 32, 8, 256), True),  # GLM5.2 B = 256, r = 64: tile_n 80
+  (Variant(5120, 2304, 48, 6, 256), True),  # DSV4.1-Flash B = 256, r = 32: tile_n 48
+  (Variant(5120, 2304, 48, 6, 64), False),  # r = 8: tile_n 16
+], ids=["small", "k1-t256", "glm-t64", "glm-t256", "dsv-t256", "dsv-t64"])
+def test_sm120_fp4_path_follows_the_geometry_tiers(variant, compact):
+  """The sm_120a seam stages compact FP4 weights exactly where `geometry.plan` does (tile_n in {48, 80, 96} at
+  B = capacity, paper §4.3-4.4) and expanded ones elsewhere: the expanded maps are 16U4_ALIGN16B views of the same
+  rows (128 codes each, box[0] 128, 128-byte swizzle) and a stage holds a 16 KiB tile; sm_90a is always compact."""
+  from gcmoe_jax import geometry
+  from gcmoe_jax.kernels import roles_v2
+
+  k = roles_v2.RoleKernelsV2(variant, "sm_120a")
+  plan = geometry.plan(geometry.Problem(R=1, E=variant.experts, k=variant.top_k, B=variant.capacity,
+                                        H=variant.hidden, I=variant.intermediate), device=geometry.RTX_PRO_5000)
+  assert k.compact == compact == plan.tile.compact_weights and k.tile_n == plan.tile.tile_n
+  assert roles_v2.RoleKernelsV2(variant, "sm_90a").compact
+  w13, w2 = k.tensormaps()
+  compact_maps = roles_v2.RoleKernelsV2(variant, "sm_90a").tensormaps()
+  for m, c in zip((w13, w2), compact_maps):
+    if compact:
+      assert m == c
+    else:
+      assert m["dtype"] == "u4x16_align16" and m["dims"] == [128, c["dims"][1]] and m["box"] == [128, 128]
+      assert m["swizzle"] == 128 and m["row_stride"] == 64 and abi.tensormap_fields(m)[1] == 14
+  assert k.w_bytes == (roles_v2.W_BYTES if compact else 2 * roles_v2.W_BYTES)
+  assert k.pipe_bytes >= 2 * roles_v2.stage_bytes(k.nt_max, k.token_stride, k.w_bytes)
 
 
 @needs_dsl
@@ -243,6 +286,8 @@ def test_shared_expert_variant_compiles(cache):
   assert all(r["local_bytes"] == 0 and r["spill_bytes"] == 0 for r in meta["roles"])
   ptx = _ptx(meta, 2)
   assert "ld.global.nc.v4.u32" in ptx and "min.NaN.f32" in ptx
+  # The round-robin, not the item queue: with the queue ptxas spilled at these variants' 255 registers.
+  assert "atom.relaxed.gpu.global.add.u32" not in ptx
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -20,7 +20,12 @@ def modules(tmp_path_factory):
   for arch in ("sm_90a", "sm_120a"):
     built = build.load_or_build(arch, SMALL, cache_dir=cache)
     out[arch] = {r: (built.directory / f"role{r}.ptx").read_text() for r in (1, 2, 3)}
+    out[arch]["compact"] = built.role(2).get("fp4_weights", "compact") == "compact"
   return out
+
+
+def _features(modules, arch):
+  return ptx.role2_features("v2", arch, compact=modules[arch]["compact"])
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
@@ -36,7 +41,7 @@ def test_role2_holds_the_instructions_of_its_seam(modules, arch):
   """§5.1: the v2 role 2 still contains its MMA (int8 on sm_90a, the block-scaled QMMA on sm_120a), the TMA
   pipeline (tensor and bulk copies, mbarrier waits) or, on sm_90a, the cp.async one, and ldmatrix; the QMMA is
   not on sm_90a and the int8 MMA not on sm_120a (one seam per target)."""
-  features = ptx.role2_features("v2", arch)
+  features = _features(modules, arch)
   assert features and ptx.validate(modules[arch][2], role=2, arch=arch, features=features,
                                    param_types=ptx.param_types("v2", 2))
   qmma = "mma.sync.aligned.kind::mxf8f6f4.block_scale.scale_vec::1X.m16n8k32.row.col.f32.e2m1.e4m3.f32.ue8m0"
@@ -47,11 +52,25 @@ def test_role2_holds_the_instructions_of_its_seam(modules, arch):
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
 def test_a_role2_that_lost_a_feature_fails_naming_it(modules, arch):
-  for feature in ptx.role2_features("v2", arch):
+  for feature in _features(modules, arch):
     broken = modules[arch][2].replace(feature, "nop")
     with pytest.raises(ptx.PtxError, match=re.escape(f"role 2 for {arch} lost `{feature}`")):
-      ptx.validate(broken, role=2, arch=arch, features=ptx.role2_features("v2", arch),
+      ptx.validate(broken, role=2, arch=arch, features=_features(modules, arch),
                    param_types=ptx.param_types("v2", 2))
+
+
+def test_the_fp4_paths_validate_their_own_fragments(modules):
+  """SMALL (r = 8 rows per expert: tile_n 16) takes the expanded FP4 path on sm_120a: its role 2 holds ldmatrix's
+  4-bit unpack and no compact fragment load, so validating it as compact names the lost ldmatrix.b16; sm_90a only
+  has the compact tile, and asking for the expanded one there is an error."""
+  assert not modules["sm_120a"]["compact"] and modules["sm_90a"]["compact"]
+  text = modules["sm_120a"][2]
+  assert ptx.LDSM_EXPANDED in text and ptx.LDSM_COMPACT not in text
+  with pytest.raises(ptx.PtxError, match=re.escape(f"lost `{ptx.LDSM_COMPACT}`")):
+    ptx.validate(text, role=2, arch="sm_120a", features=ptx.role2_features("v2", "sm_120a", compact=True),
+                 param_types=ptx.param_types("v2", 2))
+  with pytest.raises(ValueError, match=r"the expanded FP4 path is sm_120a/sm_121a only, got arch 'sm_90a'"):
+    ptx.role2_features("v2", "sm_90a", compact=False)
 
 
 def test_a_formal_count_off_by_one_is_named(modules):

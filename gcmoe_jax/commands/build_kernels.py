@@ -151,6 +151,7 @@ def _summary(meta: dict, arch: str, v, seconds: float, quiet: bool) -> dict:
              # ptxas's spill stores where the build assembled the role (older manifests: the whole frame)
              "spill_bytes": [r.get("spill_bytes", r["local_bytes"]) for r in meta["roles"]],
              "ctas_per_sm": [r.get("ctas_per_sm", 1) for r in meta["roles"]],
+             "fp4_weights": meta["roles"][1].get("fp4_weights", "-"),
              "entries": [r["entry"] for r in meta["roles"]], "seconds": round(seconds, 2)}
   if not quiet:
     print(f"{meta['key']:<58} cubins {sum(sizes) / 1024:8.1f} KiB  regs {summary['registers']}  role 2: SMEM "
@@ -163,15 +164,17 @@ def _report_rows(summaries: list[dict]) -> list[str]:
   """Markdown rows of `--report`: one per build."""
   dev = geometry.RTX_PRO_5000
   head = ("| variant | arch | registers (roles 1/2/3) | role 2 SMEM (dynamic + static) | local bytes (roles 1/2/3) "
-          "| spilled bytes (roles 1/2/3) | CTAs/SM built | fits 100 KB/SM at that c "
-          "| paper eq. 9 S_role2 at B = capacity (c) |")
-  rows = [head, "| " + " | ".join(["---"] * 9) + " |"]
+          "| spilled bytes (roles 1/2/3) | CTAs/SM built | FP4 weights (tile_n at B = capacity) "
+          "| fits 100 KB/SM at that c | paper eq. 9 S_role2 at B = capacity (c) |")
+  rows = [head, "| " + " | ".join(["---"] * 10) + " |"]
   for s in sorted(summaries, key=lambda s: (s["arch"], s["key"])):
     v = s["variant"]
     smem = s["dynamic_smem"][1] + s["static_smem"][1]
     c = s["ctas_per_sm"][1]
     fits = "-"
     model = "-"
+    tile_n = geometry.select_tile_n(geometry.rows_per_expert(v["capacity"], v["top_k"], v["experts"]))[0]
+    fp4 = f"{s.get('fp4_weights', '-')} ({tile_n})" if s["arch"].startswith("sm_12") else s.get("fp4_weights", "-")
     if s["arch"].startswith("sm_12"):
       fits = "yes" if geometry.ctas_per_sm(smem, 256, dev) >= c else "**no**"
       p = geometry.Problem(R=1, E=v["experts"], k=v["top_k"], B=v["capacity"], H=v["hidden"], I=v["intermediate"],
@@ -182,7 +185,7 @@ def _report_rows(summaries: list[dict]) -> list[str]:
     name = f"H{v['hidden']} I{v['intermediate']} E{v['experts']} k{v['top_k']} T{v['capacity']}{shared}"
     rows.append(f"| {name} | {s['arch']} | {' / '.join(map(str, s['registers']))} | {s['dynamic_smem'][1]} + "
                 f"{s['static_smem'][1]} | {' / '.join(map(str, s['local_bytes']))} | "
-                f"{' / '.join(map(str, s['spill_bytes']))} | {c} | {fits} | {model} |")
+                f"{' / '.join(map(str, s['spill_bytes']))} | {c} | {fp4} | {fits} | {model} |")
   return rows
 
 

@@ -37,7 +37,9 @@ ROLE2_TENSORMAPS = ("w13_map", "w2_map")
 # A TensorMap as the runtime receives it (int64 fields, `tensormap_fields`): the ABI pointer it maps, its element
 # type (CUtensorMapDataType), the two dimensions (elements), the row stride (bytes), the box, and the swizzle
 # (CUtensorMapSwizzle).
-TENSORMAP_DTYPES = {"uint8": 0}
+# "u4x16_align16" is CU_TENSOR_MAP_DATA_TYPE_16U4_ALIGN16B: 4-bit elements, each 16 (8 B) landing in a 16-byte slot of
+# SMEM (the expanded FP4 path of the sm_120a seam).
+TENSORMAP_DTYPES = {"uint8": 0, "u4x16_align16": 14}
 TENSORMAP_SWIZZLES = {0: 0, 32: 1, 64: 2, 128: 3}
 TENSORMAP_FIELDS = 8
 

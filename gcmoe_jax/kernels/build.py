@@ -445,7 +445,8 @@ def _compile_roles(arch: str, variant: Variant, out: pathlib.Path) -> list[dict[
     # §5.1 validation of the PTX that was assembled: one entry, the ABI's formals, the target, and role 2's
     # instructions (a lost feature fails the build naming it).
     try:
-      features = ptx_pipeline.role2_features(gen + ("+tma" if ablation == "tma" else ""), arch)
+      features = ptx_pipeline.role2_features(gen + ("+tma" if ablation == "tma" else ""), arch,
+                                             compact=getattr(kernels, "compact", True))
       ptx_pipeline.validate(ptx, role=r, arch=arch, features=features if ablation in ("", "tma") else (),
                             param_types=ptx_pipeline.param_types(gen, r))
     except ptx_pipeline.PtxError as err:
@@ -476,6 +477,8 @@ def _compile_roles(arch: str, variant: Variant, out: pathlib.Path) -> list[dict[
       "cubin_sha256": hashlib.sha256(cubin).hexdigest(),
       "compile_seconds": round(seconds, 3),
     })
+    if r == 2 and hasattr(kernels, "compact"):  # v2: the FP4 operand path of role 2's weight tile (paper §4.3)
+      entries[-1]["fp4_weights"] = "compact" if kernels.compact else "expanded"
   return entries
 
 

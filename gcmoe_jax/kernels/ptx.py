@@ -35,9 +35,12 @@ PTX_ISA_OF_RELEASE = {
 # pipeline, the producer measured faster there (roles_v2; `GCMOE_ABLATION=tma` builds the TMA one, validated with
 # the sm_120a pipeline features).
 TMA = "cp.async.bulk.tensor"  # the weight tiles, through the by-value TensorMaps
-_TMA_PIPELINE = (TMA, "cp.async.bulk.shared::cluster.global", "mbarrier.try_wait.parity",
-                 "ldmatrix.sync.aligned.m8n8.x4")
-_CPASYNC_PIPELINE = ("cp.async.cg.shared.global", "ldmatrix.sync.aligned.m8n8.x4")
+_TMA_PIPELINE = (TMA, "cp.async.bulk.shared::cluster.global", "mbarrier.try_wait.parity")
+# The weight fragments: the compact tile (raw nibbles) by ldmatrix.b16, the expanded one (16U4_ALIGN16B slots) by
+# ldmatrix's 4-bit unpack (sm_120a/sm_121a only), the FP4 operand paths of paper §4.3.
+LDSM_COMPACT = "ldmatrix.sync.aligned.m8n8.x4.shared.b16"
+LDSM_EXPANDED = "ldmatrix.sync.aligned.m8n16.x4.shared.b8x16.b4x16_p64"
+_CPASYNC_PIPELINE = ("cp.async.cg.shared.global",)
 _INT8_MMA = "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"
 _QMMA = "mma.sync.aligned.kind::mxf8f6f4.block_scale.scale_vec::1X.m16n8k32.row.col.f32.e2m1.e4m3.f32.ue8m0"
 ROLE2_FEATURES = {
@@ -47,9 +50,16 @@ ROLE2_FEATURES = {
 }
 
 
-def role2_features(generation: str, arch: str) -> tuple[str, ...]:
-  """The instructions role 2 of ``generation`` must contain on ``arch`` (none for the SIMT v1 kernels)."""
-  return ROLE2_FEATURES.get((generation, arch), ())
+def role2_features(generation: str, arch: str, compact: bool = True) -> tuple[str, ...]:
+  """The instructions role 2 of ``generation`` must contain on ``arch`` (none for the SIMT v1 kernels), with the
+  compact FP4 weight tile (``compact``; sm_90a always) or the expanded one (sm_120a/sm_121a, `roles_v2`), whose
+  fragments come from ldmatrix's 4-bit unpack."""
+  features = ROLE2_FEATURES.get((generation, arch), ())
+  if not features:
+    return ()
+  if not compact and not arch.startswith("sm_12"):
+    raise ValueError(f"role2_features: the expanded FP4 path is sm_120a/sm_121a only, got arch {arch!r}")
+  return (*features, LDSM_COMPACT if compact else LDSM_EXPANDED)
 
 
 # The ABI's parameter types in PTX (13 pointers, then tokens and clamp).

@@ -22,7 +22,8 @@ latencies better where the work per stage is small).
 0. Phase 0 (every CTA): MXFP8 of x, one warp per (token, K32 block), a lane per element, into ``xplanes``/``xexp``
    (and ``xflag``); then ``counters[par][E] += 1`` (release). Then every CTA waits for the count to reach the grid
    and for every expert's publication (a thread per expert), and lists the experts hit in SMEM.
-1. GEMM1 items (h, j) over the hit list, j < 2I/128, CTA c taking items c, c + G, ...: W13 rows 128 j..128 j + 127
+1. GEMM1 items (h, j) over the hit list, j < 2I/128, each CTA claiming its next item from the call's queue (an
+   atomic add; the shared-expert variants take items c, c + G, ...: `_claim`): W13 rows 128 j..128 j + 127
    (gate/up of intermediate columns 64 j..64 j + 63). Swap-AB: weights on M (warp w: rows 16 w..16 w + 15, so a
    thread's C fragment holds gate (row g) and up (row g + 8) of one column), the expert's rows on N (chunks of up
    to 64, n-tiles of 8, bodies specialised for 1, 2, 4 and 8 n-tiles). A multistage pipeline streams per K128:
@@ -54,11 +55,15 @@ Roles 1 and 3 are v1's (role 3 also resets the counters). Role 2: block 256, dyn
 **The sm_120a seam** (docs/sm120.md). Built for ``sm_120a``/``sm_121a``, everything above stays (items, pipeline,
 swizzled weight tile and ldmatrix fragments, epilogues, waits) and three things change: phase 0 and the requant
 store each block's E4M3 codes (plane 0) and its UE8M0 byte (``xsf``/``asf``, NaN block: 0xFF) instead of digit
-planes; a stage stages plane 0 and one packed scale word per row (`QMMA_TOKEN_STRIDE`); and `_stage_qmma` expands
-the weight nibbles into 8-bit containers (`_exp4`, the paper's compact path) and issues one block-scaled QMMA per
-K32 block, picking the block's scale byte with the byte-id immediate (`_qmma`). The pipeline depth comes from
-SM120's SMEM (`geometry.RTX_PRO_5000`). The hardware adds each block's scaled product to the FP32 accumulator
-itself, so this build is not bit-identical to the oracle by construction; it has not run (no SM120 GPU here).
+planes; a stage stages plane 0 and one packed scale word per row (`QMMA_TOKEN_STRIDE`); and `_stage_qmma` issues
+one block-scaled QMMA per K32 block, picking the block's scale byte with the byte-id immediate (`_qmma`), on
+weights in 8-bit containers from one of the paper's two FP4 operand paths (§4.3), chosen per variant by the
+geometry's tile tier at B = capacity (`geometry.compact_weights`): compact (the raw nibble tile above, expanded in
+registers by prmt, `_exp4`) for tile_n in {48, 80, 96}, expanded otherwise (TMA's 16U4_ALIGN16B type spreads each
+16 codes over a 16-byte slot, 16 KiB per stage, and ``ldmatrix ... b4x16_p64`` unpacks them into bytes:
+`_expanded_fragment`). The pipeline depth comes from SM120's SMEM (`geometry.RTX_PRO_5000`). The hardware adds each
+block's scaled product to the FP32 accumulator itself, so this build is not bit-identical to the oracle by
+construction; it has not run (no SM120 GPU here).
 """
 
 from __future__ import annotations
@@ -82,9 +87,16 @@ PLANES = abi.PLANES
 BLOCK_BYTES = PLANES * 32  # one (row, K32 block) of digit planes
 TOKEN_STRIDE = 4 * BLOCK_BYTES + 32  # SMEM bytes per token per K128 stage: padded so n-tile loads miss no bank twice
 QMMA_TOKEN_STRIDE = 4 * 32 + 32  # the sm_120a seam stages plane 0 only (E4M3 codes); conflict-free for lds.v2 too
-W_BYTES = TILE_M * 64  # weight tile per K128 (E2M1, 64 B per row)
+# The expanded FP4 path reads B in the MMA's own K order (two 4-byte loads per K32 block, at 4 t4 and 16 + 4 t4):
+# 144 B = 36 words per token puts a warp's 8 x 4 loads in 32 distinct banks.
+QMMA_EXPANDED_TOKEN_STRIDE = 4 * 32 + 16
+W_BYTES = TILE_M * 64  # weight tile per K128 (E2M1, 64 B per row): the compact tile
+# The expanded tile of the sm_120a seam: TMA's 16U4_ALIGN16B type lands each 16 codes (8 B) in a 16-byte slot, so a
+# K128 row is 128 B in SMEM, swizzled by 128 B (16 B chunk c of row r at c ^ (r & 7)).
+W_BYTES_EXPANDED = TILE_M * 128
 SC_BYTES = TILE_M * 4
-CTRL_BYTES = 1024  # [ok, count, claimed item, -] and per-slot token/assignment/route-weight words, then the expert table
+# [ok, count, claimed item, -] and per-slot token/assignment/route-weight words, then the expert table
+CTRL_BYTES = 1024
 CTL_CLAIM = 8  # the item this CTA claimed from the queue (`RoleKernelsV2._claim`)
 CTL_SLOT_SRC, CTL_SLOT_ASG, CTL_SLOT_RW = 16, 16 + 32 * NT_MAX, 16 + 64 * NT_MAX
 MAX_STAGES = 8
@@ -122,14 +134,14 @@ SPLIT_DECODE_NT = 2
 EXPAND_SELECT = 0x5140  # prmt selector of the sm_120a seam: bytes (w0, (w >> 4)0, w1, (w >> 4)1) of a 16-bit word
 
 
-def stage_bytes(nt: int, token_stride: int = TOKEN_STRIDE) -> int:
-  raw = W_BYTES + SC_BYTES + nt * 8 * (16 + token_stride)
+def stage_bytes(nt: int, token_stride: int = TOKEN_STRIDE, w_bytes: int = W_BYTES) -> int:
+  raw = w_bytes + SC_BYTES + nt * 8 * (16 + token_stride)
   return -(-raw // STAGE_ALIGN) * STAGE_ALIGN
 
 
-def stages(nt: int, pipe_bytes: int, token_stride: int = TOKEN_STRIDE) -> int:
+def stages(nt: int, pipe_bytes: int, token_stride: int = TOKEN_STRIDE, w_bytes: int = W_BYTES) -> int:
   """Pipeline depth for ``nt`` n-tiles: as many K128 stages as fit ``pipe_bytes``, at most `MAX_STAGES`."""
-  return min(MAX_STAGES, pipe_bytes // stage_bytes(nt, token_stride))
+  return min(MAX_STAGES, pipe_bytes // stage_bytes(nt, token_stride, w_bytes))
 
 
 # ---- PTX helpers (SMEM addresses are 32-bit shared-window addresses) ----------------------------------------------
@@ -245,6 +257,15 @@ def _ldsm_x4(addr):
                               write_only_types=[Int32] * 4, read_only_args=[addr])
 
 
+def _ldsm_b4_x4(addr):
+  """Four 8 x 16 matrices of E2M1 codes staged 16 per 16-byte slot (TMA 16U4_ALIGN16B), each code unpacked into
+  the low 4 bits of a byte (``ldmatrix ... b8x16.b4x16_p64``, sm_120a/sm_121a): lane 4 g + t4 gets codes 4 t4 ..
+  4 t4 + 3 of row g of each matrix."""
+  return cute.arch.inline_ptx(
+    "ldmatrix.sync.aligned.m8n16.x4.shared.b8x16.b4x16_p64 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+    write_only_types=[Int32] * 4, read_only_args=[addr])
+
+
 def _mma_s8(a, b, c):
   """D = A B + C (m16n8k32, int8 x int8 + int32 -> int32, exact: no sum here leaves int32)."""
   return cute.arch.inline_ptx(
@@ -342,6 +363,17 @@ def _atom_add(addr, v) -> Int32:
   return v1._ptx1("atom.relaxed.gpu.global.add.u32 {$w0}, [{$r0}], {$r1};", addr, Int32(v))
 
 
+def _expanded_fragment(sb, warp, lane, s):
+  """The A fragment of K32 block ``s`` from the expanded tile, in the MMA's K order (a0/a1: codes 4 t4.. of rows g
+  and g + 8, a2/a3: codes 16 + 4 t4..), each code shifted into bits 5:2 of its byte, the e2m1 container of the
+  mixed-input QMMA (paper §4.3: ``fragment_i8[i] << 2``; no carry crosses a byte, codes are below 16)."""
+  q = lane // 8
+  r = 16 * warp + (q % 2) * 8 + lane % 8
+  c = 2 * s + q // 2  # matrices 0, 1: codes 0-15 of the block (rows 0-7, 8-15); 2, 3: codes 16-31
+  m = _ldsm_b4_x4(sb + r * 128 + ((c ^ (r % 8)) << 4))
+  return (m[0] << 2, m[1] << 2, m[2] << 2, m[3] << 2)
+
+
 def _red_release_add(addr, v) -> None:
   cute.arch.inline_ptx("red.release.gpu.global.add.u32 [{$r0}], {$r1};", read_only_args=[addr, Int32(v)])
 
@@ -426,7 +458,16 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     small = v.capacity <= SMALL_CAPACITY and not v.shared
     self.nt_max = 2 if small else NT_MAX
     self.ctas = 2 if small else 1
-    self.token_stride = QMMA_TOKEN_STRIDE if self.qmma else TOKEN_STRIDE
+    # The FP4 operand path of the sm_120a seam (paper §4.3), chosen by the geometry at the variant's design point
+    # (B = its token capacity): the compact tile (raw nibbles, 64 B per K128 row, expanded in registers by prmt)
+    # exactly for the tile_n tiers where its freed SMEM decides co-residency (`geometry.compact_weights`), the
+    # expanded tile (unpacked by TMA and ldmatrix, 128 B per row in SMEM, one shift per register) otherwise.
+    # sm_90a always stages the compact tile (its int8 decode is the prmt tables; ldmatrix's unpack is sm_120a's).
+    self.tile_n = geometry.select_tile_n(geometry.rows_per_expert(v.capacity, v.top_k, v.experts))[0]
+    self.compact = not self.qmma or geometry.compact_weights(self.tile_n)
+    self.w_bytes = W_BYTES if self.compact else W_BYTES_EXPANDED
+    self.token_stride = (TOKEN_STRIDE if not self.qmma else QMMA_TOKEN_STRIDE if self.compact
+                         else QMMA_EXPANDED_TOKEN_STRIDE)
     # The fused transport (R > 1): the receive side holds the R C tokens of every rank (`abi.Workspace`), and role
     # 1 keeps one tag byte per global assignment in SMEM (the local expert it goes to, or 0xFF).
     self.fused = v.ranks > 1
@@ -447,7 +488,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # Items are claimed from a queue (an atomic add per item) in item order, so a CTA that finished early takes the
     # next item: static round-robin gave GLM5.2 B = 1 a critical path of 2 GEMM1 + 1 GEMM2 items against a mean of
     # 1.6 GEMM1 items' worth (docs/kernels_v2.md "The item queue"). `GCMOE_ABLATION=static` builds the round-robin.
-    self.dynamic = self.ablation != "static"
+    # The shared-expert variants keep it: their v1 SIMT shared math sits at 251-255 registers, and with the queue
+    # ptxas spilled 16 B there (a claim at the top or at the end of the loop alike).
+    self.dynamic = self.ablation != "static" and not v.shared
     self.rcap = v.capacity * v.ranks
     self.tags = CTRL_BYTES // 8
     self.role1_smem = (self.tags + (self.rcap * v.top_k + 3) // 4 * 4 + 127) // 128 * 128 if self.fused else 0
@@ -457,28 +500,37 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       dev = geometry.RTX_PRO_5000
       budget = (min(dev.smem_per_block, dev.smem_per_sm // self.ctas - dev.reserved_smem_per_block)
                 - STATIC_SMEM - self.pipe)
-      n = stages(self.nt_max, budget, self.token_stride)
+      n = stages(self.nt_max, budget, self.token_stride, self.w_bytes)
       if n < 2 or self.v1_smem > budget:
         raise ValueError(f"roles_v2: {variant.key} does not fit SM120's SMEM at {self.ctas} CTA(s) per SM: "
-                         f"{n} pipeline stage(s) of {stage_bytes(self.nt_max, self.token_stride)} B, shared-expert "
-                         f"path {self.v1_smem} B, budget {budget} B")
-      self.pipe_bytes = n * stage_bytes(self.nt_max, self.token_stride)
+                         f"{n} pipeline stage(s) of {stage_bytes(self.nt_max, self.token_stride, self.w_bytes)} B, "
+                         f"shared-expert path {self.v1_smem} B, budget {budget} B")
+      self.pipe_bytes = n * stage_bytes(self.nt_max, self.token_stride, self.w_bytes)
     else:
       self.pipe_bytes = PIPE_STAGES[self.ctas - 1] * stage_bytes(self.nt_max)
 
   def tensormaps(self) -> list[dict[str, int | str]]:
     """Role 2's TensorMaps, in formal order after the ABI's (`abi.ROLE2_TENSORMAPS`): the W13 and W2 weight tiles.
 
-    Each weight tensor, ``[E][K/128][N][64 B]`` (`formats`), is a 2D map of bytes: 64 per row, ``E (K/128) N`` rows;
-    a box is one K128 tile of 128 rows (8 KiB), swizzled by 64 B, which is the layout `_weight_words` reads. The
-    runtime encodes each from its base pointer (the ABI formal ``param``) when the pointer changes and passes the
-    128-byte descriptors by value (csrc/gc_runtime.cc)."""
+    Each weight tensor, ``[E][K/128][N][64 B]`` (`formats`), is a 2D map of ``E (K/128) N`` rows of 64 B. Compact
+    weights: bytes, a box being one K128 tile of 128 rows (8 KiB) swizzled by 64 B, the layout `_weight_words` reads.
+    Expanded weights (sm_120a/sm_121a, `compact` False): 128 4-bit codes per row as TMA's 16U4_ALIGN16B type, which
+    lands every 16 codes in a 16-byte slot (16 KiB per box), swizzled by 128 B, the layout `_expanded_fragment`
+    reads. The runtime encodes each from its base pointer (the ABI formal ``param``) when the pointer changes and
+    passes the 128-byte descriptors by value (csrc/gc_runtime.cc)."""
     v = self.v
     maps = []
     for name, param, k, n in (("w13_map", "w13", v.hidden, 2 * v.intermediate),
                               ("w2_map", "w2", v.intermediate, v.hidden)):
-      maps.append(dict(name=name, param=param, dtype="uint8", dims=[64, v.experts * (k // v1.K128) * n],
-                       row_stride=64, box=[64, TILE_M], swizzle=64))
+      rows = v.experts * (k // v1.K128) * n
+      if self.compact:
+        maps.append(dict(name=name, param=param, dtype="uint8", dims=[64, rows], row_stride=64, box=[64, TILE_M],
+                         swizzle=64))
+      else:
+        # The expanded path: the same rows as 128 4-bit codes each, unpacked to 16-byte slots by TMA (box[0] must be
+        # 128 codes for this type, swizzle none or 128 B), read by ldmatrix's b4x16_p64 unpack (paper §4.3).
+        maps.append(dict(name=name, param=param, dtype="u4x16_align16", dims=[v1.K128, rows], row_stride=64,
+                         box=[v1.K128, TILE_M], swizzle=128))
     return maps
 
   def dynamic_smem(self, role: int) -> int:
@@ -727,10 +779,12 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         if ok != 0:
           self._copier(bid, n_relay, n_hit, table, wsb, cur, bid, counters, pipe)
         takes = Int32(0)  # a copier takes no item
-    queue = counters + Int64(self.queue) * v1.WORD_BYTES
-    item = cutlass.select_(takes != 0, first, n_items)
-    if cutlass.const_expr(self.dynamic):
-      item = self._claim(queue, ctl, takes, n_items)
+    item = n_items
+    if takes != 0:
+      if cutlass.const_expr(self.dynamic):
+        item = self._claim(counters, ctl)
+      else:
+        item = first
     while item < n_items:
       if failed == 0:
         it = item  # the routed item (GEMM1 tiles, then GEMM2 tiles)
@@ -784,23 +838,20 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       # A CTA that failed a wait goes on claiming (and skipping) items, as with the round-robin, so the claims of
       # the others stay in item order.
       if cutlass.const_expr(self.dynamic):
-        item = self._claim(queue, ctl, takes, n_items)
+        item = self._claim(counters, ctl)
       else:
         item = item + step
 
   @cute.jit
-  def _claim(self, queue: Int64, ctl: Int32, takes: Int32, n_items: Int32) -> Int32:
-    """The next item of this CTA from the call's queue (every thread gets it; ``n_items`` or more: none left).
+  def _claim(self, counters: Int64, ctl: Int32) -> Int32:
+    """The next item of this CTA from the call's queue (every thread gets it; the item count or more: none left).
 
     Claims are handed out in item order, and every item waits only for earlier ones (GEMM2 tiles for their
     expert's GEMM1 tiles, the shared expert's GEMM2 blocks for its GEMM1 blocks), which CTAs that are running hold:
     with the whole grid resident, the queue cannot deadlock."""
     tid, _, _ = cute.arch.thread_idx()
     if tid == 0:
-      claimed = n_items
-      if takes != 0:
-        claimed = _atom_add(queue, 1)
-      _sts(ctl + CTL_CLAIM, claimed)
+      _sts(ctl + CTL_CLAIM, _atom_add(counters + self.queue * v1.WORD_BYTES, 1))
     cute.arch.sync_threads()
     item = _lds(ctl + CTL_CLAIM)
     cute.arch.sync_threads()  # every thread read it before the next claim overwrites it
@@ -990,8 +1041,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     else:
       exps = wsb + (ws.aexp if cutlass.const_expr(g2) else x_exp)
     flags = wsb + (ws.aflag if cutlass.const_expr(g2) else x_flag)
-    st_bytes = stage_bytes(nt, self.token_stride)
-    n_st = stages(nt, self.pipe_bytes, self.token_stride)
+    st_bytes = stage_bytes(nt, self.token_stride, self.w_bytes)
+    n_st = stages(nt, self.pipe_bytes, self.token_stride, self.w_bytes)
     pw_e = pw + Int64(e) * (kb_n * n_rows * v1.FP4_TILE_BYTES)
     psc_e = psc + Int64(e) * (n_rows * kb_n * v1.WORD_BYTES)
     row0 = j * TILE_M
@@ -1233,7 +1284,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         _sts64(prod + 16, exps)
         _sts(prod + 24, e * (kb_n * n_rows) + row0)  # the tile's first row in the TensorMap at kb = 0
         # The expected bytes of a stage: the weight tile and the valid slots' rows.
-        _sts(prod + 28, W_BYTES + cutlass.min(count - n0, Int32(slots)) *
+        _sts(prod + 28, self.w_bytes + cutlass.min(count - n0, Int32(slots)) *
              (4 * 32 if self.qmma else 4 * BLOCK_BYTES + 16))
       cute.arch.sync_warp()
       for s in cutlass.range_constexpr(n_st - 1):
@@ -1276,11 +1327,11 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     prod = ctl + CTL_PROD
     planes = _lds64(prod + 8)
     exps = _lds64(prod + 16)
-    xe_off = W_BYTES + SC_BYTES
+    xe_off = self.w_bytes + SC_BYTES
     xp_off = xe_off + slots * 16
     sc = _lds64(prod) + (Int64(lane) * kb_n + kb) * v1.WORD_BYTES
     for i in cutlass.range_constexpr(TILE_M // 32):
-      _cp4(sb + W_BYTES + (lane + 32 * i) * 4, sc + 32 * i * kb_n * v1.WORD_BYTES)
+      _cp4(sb + self.w_bytes + (lane + 32 * i) * 4, sc + 32 * i * kb_n * v1.WORD_BYTES)
     for h in cutlass.range_constexpr((slots + 31) // 32):
       slot = lane + 32 * h
       src = Int32(-1)
@@ -1347,7 +1398,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   def _compute(self, nt: cutlass.Constexpr, sb: Int32, rows_fast: Int32, acc: cute.Tensor):
     """The MMAs of the stage at ``sb``: this thread's rows' scale words, then the fast or the slow path."""
     warp, lane, g, t4 = _lanes()
-    scw = (_lds(sb + W_BYTES + (16 * warp + g) * 4), _lds(sb + W_BYTES + (16 * warp + g + 8) * 4))
+    scw = (_lds(sb + self.w_bytes + (16 * warp + g) * 4), _lds(sb + self.w_bytes + (16 * warp + g + 8) * 4))
     if cutlass.const_expr(self.ablation == "nomath"):
       acc[0] = acc[0] + scw[0] + scw[1]  # keeps the scale loads; no decode, MMA or epilogue
     elif cutlass.const_expr(self.qmma):
@@ -1426,17 +1477,27 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     containers instead of decoded to integers; the activation fragments are plane 0 (E4M3 codes)."""
     warp, lane, g, t4 = _lanes()
     slots = 8 * nt
-    xe_off = W_BYTES + SC_BYTES
+    xe_off = self.w_bytes + SC_BYTES
     xp_off = xe_off + slots * 16
-    words = _weight_words(sb, warp, lane)
-    a_all = tuple((_exp4(words[2 * s]), _exp4(words[2 * s + 1]), _exp4(words[2 * s] >> 16),
-                   _exp4(words[2 * s + 1] >> 16)) for s in range(v1.SUBS))
+    if cutlass.const_expr(self.compact):
+      # Compact: the raw nibbles by ldmatrix.b16 (words of 8 codes) and the prmt expansion; the fragment's K order
+      # is (8 t4 .. 8 t4 + 3 | 8 t4 + 4 .. 8 t4 + 7), so B is loaded as the 8 bytes at 8 t4.
+      words = _weight_words(sb, warp, lane)
+      a_all = tuple((_exp4(words[2 * s]), _exp4(words[2 * s + 1]), _exp4(words[2 * s] >> 16),
+                     _exp4(words[2 * s + 1] >> 16)) for s in range(v1.SUBS))
+    else:
+      # Expanded: unpacked by ldmatrix in the MMA's K order (4 t4 .. 4 t4 + 3 | 16 + 4 t4 ..).
+      a_all = tuple(_expanded_fragment(sb, warp, lane, s) for s in range(v1.SUBS))
     sfa = cutlass.select_(t4 == 1, scw[1], scw[0])
     for i in cutlass.range_constexpr(nt):
       sfb = _lds(sb + xe_off + (8 * i + g) * 16)
       for s in cutlass.range_constexpr(v1.SUBS):
-        xp = sb + xp_off + (8 * i + g) * QMMA_TOKEN_STRIDE + s * 32 + 8 * t4
-        d = _qmma(a_all[s], _lds2(xp), (acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]), sfa, sfb, s)
+        xp = sb + xp_off + (8 * i + g) * self.token_stride + s * 32
+        if cutlass.const_expr(self.compact):
+          b = _lds2(xp + 8 * t4)
+        else:
+          b = (_lds(xp + 4 * t4), _lds(xp + 16 + 4 * t4))
+        d = _qmma(a_all[s], b, (acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]), sfa, sfb, s)
         for c in cutlass.range_constexpr(4):
           acc[4 * i + c] = d[c]
 
