@@ -573,6 +573,28 @@ def compact_weights(tile_n: int) -> bool:
   return tile_n in COMPACT_TILES
 
 
+def relay_staging(R: int, B: int, B_cap: int, k: int, L: int, H: int, shared: bool,
+                  batched_routes: bool = True) -> tuple[bool, str]:
+  """Whether role 2 returns rows by the relay path (parked position-major, drained by copier CTAs) rather than the
+  direct one (§4.4): batched returns (B k >= 32 L), an arena R Bcap k 2H within 256 MB, and not the case of mirrored
+  metadata (k < R) without a shared expert, where the direct path has everything locally.
+
+  Returns:
+    (relay, why).
+  """
+  batched = B * k >= 32 * L and batched_routes
+  relay_bytes = R * B_cap * k * 2 * H
+  mirrored = k < R
+  if not batched:
+    return False, "returns are not batched"
+  if relay_bytes > RELAY_BUDGET_BYTES:
+    return False, f"arena R*Bcap*k*2H = {relay_bytes} B > 256 MB"
+  if mirrored and not shared:
+    return False, "mirrored metadata with no shared expert: the direct path already has everything locally"
+  return True, f"batched, arena R*Bcap*k*2H = {relay_bytes} B <= 256 MB" + (
+    ", and the fused shared work hides the copy" if mirrored else "")
+
+
 def shared_tile_n(B: int) -> int:
   """tile_ns of eq. 12: the smallest of {8, 16, 32, 64} that holds B tokens, else 64."""
   # The paper says only "chosen from the token count"; the smallest tile that covers B wastes the fewest padded
@@ -745,17 +767,7 @@ def _plan(p: Problem, dev: Device, dispatch_sms: int | None) -> Plan:
   mirrored = p.k < p.R
   why.append(f"mirrored metadata = {_yn(mirrored)}: k = {p.k} {'<' if mirrored else '>='} R = {p.R} (§4.4, §4.5)")
   relay_bytes = p.R * p.B_cap * p.k * 2 * p.H
-  relay_fits = relay_bytes <= RELAY_BUDGET_BYTES
-  relay = batched and relay_fits and not (mirrored and not p.shared)
-  if not batched:
-    relay_why = "returns are not batched"
-  elif not relay_fits:
-    relay_why = f"arena R*Bcap*k*2H = {relay_bytes} B > 256 MB"
-  elif mirrored and not p.shared:
-    relay_why = "mirrored metadata with no shared expert: the direct path already has everything locally"
-  else:
-    relay_why = f"batched, arena R*Bcap*k*2H = {relay_bytes} B <= 256 MB" + (
-      ", and the fused shared work hides the copy" if mirrored else "")
+  relay, relay_why = relay_staging(p.R, p.B, p.B_cap, p.k, L, p.H, p.shared, p.batched_routes)
   why.append(f"relay staging = {_yn(relay)}: {relay_why} (§4.4)")
 
   cache_bytes = PULL_CACHE_ENTRY_BYTES * p.R * p.B_cap

@@ -550,3 +550,20 @@ def test_virtual_rank_split_rejections():
   split, bad = g.split_virtual_ranks(g.H200, 16, min_compute_sms=0)  # 16 dispatch groups of 8 leave 4 SMs
   assert split.compute_sms == 0
   assert bad == ("16 ranks need 16 dispatch groups of 8 SMs and at least 8 compute SMs each, the device has 132 SMs",)
+
+
+@pytest.mark.parametrize("model", ["glm5.2", "dsv4.1-flash"])
+@pytest.mark.parametrize("shared", [False, True])
+def test_relay_staging_is_the_plans_return_path(model, shared):
+  """`relay_staging` (what the fused transport's variant takes, ffi._cuda.prepare) is the plan's decision at every
+  decode point: Table 2 at B = 256 (GLM5.2 relay, DSV4.1-Flash direct unless the shared expert is fused), direct
+  wherever the returns are not batched (B k < 32 L)."""
+  for b in (1, 8, 32, 64, 128, 256):
+    q = g.plan(g.Problem.for_model(model, R=8, B=b, shared=shared, capacity=b))
+    p = q.problem
+    relay, why = g.relay_staging(p.R, p.B, p.B_cap, p.k, p.L, p.H, p.shared)
+    assert relay == q.returns.relay and why in "\n".join(q.reasons), (b, why)
+    if p.B * p.k < 32 * p.L:
+      assert not relay and why == "returns are not batched"
+  at_256 = g.relay_staging(8, 256, 256, g.MODELS[model].k, g.MODELS[model].E // 8, g.MODELS[model].H, shared)[0]
+  assert at_256 == (model == "glm5.2" or shared)

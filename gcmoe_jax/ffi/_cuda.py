@@ -162,14 +162,19 @@ def prepare(hidden: int, intermediate: int, experts: int, top_k: int, tokens: in
   """Registers the kernel variant of a call and returns its key (the ``variant`` attribute).
 
   ``peer_groups``: for the fused transport across the GPUs of this process, the CUDA ordinals of every group of R
-  ranks (rank order; ``experts`` is then the L local experts of a rank); empty for a local call.
+  ranks (rank order; ``experts`` is then the L local experts of a rank); empty for a local call. The fused
+  variant's return path (direct or relay) is `geometry.relay_staging` at B = the token capacity.
   """
   s = device_arch()
   if not s.ok:
     raise RuntimeError(f"moe: backend='cuda' cannot run here: {s.reason}")
   ranks = len(peer_groups[0]) if peer_groups else 1
-  variant = build.Variant(hidden, intermediate, experts, top_k, capacity_for(tokens),
-                          shared_intermediate or None, shared_group or None, ranks)
+  capacity = capacity_for(tokens)
+  # The fused transport's return path is the geometry's (§4.4) at the variant's design point, B = capacity.
+  relay = ranks > 1 and geometry.relay_staging(ranks, capacity, capacity, top_k, experts, hidden,
+                                               bool(shared_intermediate))[0]
+  variant = build.Variant(hidden, intermediate, experts, top_k, capacity, shared_intermediate or None,
+                          shared_group or None, ranks, relay)
   timeout_ns = int(_config.get("GCMOE_WAIT_TIMEOUT_MS")) * 1_000_000
   # The green-context split is the geometry's (eq. 5) for this device's facts; the runtime checks that the driver's
   # split matches it.
