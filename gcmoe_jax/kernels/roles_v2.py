@@ -1006,7 +1006,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   @cute.jit
   def _item(self, g2: cutlass.Constexpr, e: Int32, j: Int32, count: Int32, rwb: Int64, pw: Int64, psc: Int64,
             wsb: Int64, c_bits: Int32, cur: Int32, ctl: Int32, pipe: Int32, tmap: Int64):
-    """One GEMM1 (g2 False) or GEMM2 item: the expert's rows in passes of up to 8 `nt_max` rows (`_chunk`)."""
+    """One GEMM1 (g2 False) or GEMM2 item: the expert's rows in passes of up to 8 `nt_max` rows (`_chunk`), each
+    pass in the body of the fewest n-tiles that hold its rows (1, 2, 3, 4, 6 or 8: the 3 and 6 bodies spare a
+    quarter of the MMAs and epilogue of passes of 17-24 and 33-48 rows, the usual ones at B = 64 and 128)."""
     for n0 in range(0, count, 8 * self.nt_max):
       rem = cutlass.min(count - n0, 8 * self.nt_max)
       if rem <= 8:
@@ -1015,8 +1017,12 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         self._chunk(g2, 2, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap)
       else:
         if cutlass.const_expr(self.nt_max > 2):
-          if rem <= 32:
+          if rem <= 24:
+            self._chunk(g2, 3, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap)
+          elif rem <= 32:
             self._chunk(g2, 4, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap)
+          elif rem <= 48:
+            self._chunk(g2, 6, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap)
           else:
             self._chunk(g2, 8, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap)
 
