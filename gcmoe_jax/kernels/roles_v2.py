@@ -26,7 +26,7 @@ latencies better where the work per stage is small).
    atomic add; the shared-expert variants take items c, c + G, ...: `_claim`): W13 rows 128 j..128 j + 127
    (gate/up of intermediate columns 64 j..64 j + 63). Swap-AB: weights on M (warp w: rows 16 w..16 w + 15, so a
    thread's C fragment holds gate (row g) and up (row g + 8) of one column), the expert's rows on N (chunks of up
-   to 64, n-tiles of 8, bodies specialised for 1, 2, 4 and 8 n-tiles). A multistage pipeline streams per K128:
+   to 64, n-tiles of 8, bodies specialised for 1, 2, 3, 4, 6 and 8 n-tiles). A multistage pipeline streams per K128:
    the 128 x 64 B weight tile (16 B chunk c of row r at c ^ ((r >> 1) & 3), read with ldmatrix without bank
    conflicts), the 128 scale words, and the 96 B digit planes + exponent words of every row (gathered through
    ``rows[e]``). Two producers share the stage layout: on sm_90a every thread issues cp.async and the CTA meets at a
