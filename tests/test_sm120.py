@@ -71,3 +71,20 @@ def test_sm120_paper_per_rank_shapes(model, h, i, e, k, batch):
   rw = jnp.asarray(rng.dirichlet(np.ones(k), batch), jnp.float32)
   y = gm.moe(x, w, gm.Routes(ids, rw), clamp=10.0, backend="cuda")
   _close(f"{model} B={batch}", y, emulated(x, w, ids, rw, clamp=10.0))
+
+
+@pytest.mark.parametrize("top_k, tokens, compact", [(4, 12, False), (1, 200, True)], ids=["expanded", "compact"])
+def test_sm120_both_fp4_operand_paths(top_k, tokens, compact):
+  """The two FP4 operand paths of paper §4.3 on the test shape: capacity 16 at k = 4 (tile_n 16: the expanded tile,
+  TMA 16U4_ALIGN16B + ldmatrix b4x16_p64) and capacity 256 at k = 1 (tile_n 48: the compact tile, prmt expansion)."""
+  from gcmoe_jax.ffi import _cuda
+  from gcmoe_jax.kernels import build
+
+  variant = build.Variant(SMALL.hidden, SMALL.intermediate, SMALL.experts, top_k, _cuda.capacity_for(tokens))
+  arch = _cuda.device_arch().reason  # the target the cuda backend builds for here
+  assert build.load_or_build(arch, variant).role(2)["fp4_weights"] == ("compact" if compact else "expanded")
+  p = make_problem("default", dataclasses.replace(SMALL, top_k=top_k, tokens=tokens), seed=5)
+  x, w, r = quantized(p)
+  y = jax.jit(lambda x, w, r: gm.moe(x, w, r, clamp=p.shape.clamp, backend="cuda"))(x, w, r)
+  _close(f"{'compact' if compact else 'expanded'} k={top_k} T={tokens}", y,
+         emulated(x, w, r.ids, r.weights, clamp=p.shape.clamp))
