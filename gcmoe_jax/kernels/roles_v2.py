@@ -26,7 +26,7 @@ latencies better where the work per stage is small).
    atomic add; the shared-expert variants take items c, c + G, ...: `_claim`): W13 rows 128 j..128 j + 127
    (gate/up of intermediate columns 64 j..64 j + 63). Swap-AB: weights on M (warp w: rows 16 w..16 w + 15, so a
    thread's C fragment holds gate (row g) and up (row g + 8) of one column), the expert's rows on N (chunks of up
-   to 64, n-tiles of 8, bodies specialised for 1, 2, 3, 4, 6 and 8 n-tiles). A multistage pipeline streams per K128:
+   to 64, n-tiles of 8, bodies for 1, 2, 3, 4, 6 and 8 n-tiles). A multistage pipeline streams per K128:
    the 128 x 64 B weight tile (16 B chunk c of row r at c ^ ((r >> 1) & 3), read with ldmatrix without bank
    conflicts), the 128 scale words, and the 96 B digit planes + exponent words of every row (gathered through
    ``rows[e]``). Two producers share the stage layout: on sm_90a every thread issues cp.async and the CTA meets at a
@@ -491,6 +491,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # The shared-expert variants keep it: their v1 SIMT shared math sits at 251-255 registers, and with the queue
     # ptxas spilled 16 B there (a claim at the top or at the end of the loop alike).
     self.dynamic = self.ablation != "static" and not v.shared
+    # Pass bodies of 3 and 6 n-tiles (`_item`) wherever ptxas fits them without spilling: not in the SM120
+    # shared-expert variants, whose v1 shared math already holds 255 registers there (16 B spilled with them).
+    self.odd_bodies = not (self.qmma and v.shared)
     self.rcap = v.capacity * v.ranks
     self.tags = CTRL_BYTES // 8
     self.role1_smem = (self.tags + (self.rcap * v.top_k + 3) // 4 * 4 + 127) // 128 * 128 if self.fused else 0
@@ -1008,7 +1011,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
             wsb: Int64, c_bits: Int32, cur: Int32, ctl: Int32, pipe: Int32, tmap: Int64):
     """One GEMM1 (g2 False) or GEMM2 item: the expert's rows in passes of up to 8 `nt_max` rows (`_chunk`), each
     pass in the body of the fewest n-tiles that hold its rows (1, 2, 3, 4, 6 or 8: the 3 and 6 bodies spare a
-    quarter of the MMAs and epilogue of passes of 17-24 and 33-48 rows, the usual ones at B = 64 and 128)."""
+    quarter of the MMAs and epilogue of passes of 17-24 and 33-48 rows, the usual ones at B = 64 and 128; not in
+    the SM120 shared-expert variants, `odd_bodies`)."""
     for n0 in range(0, count, 8 * self.nt_max):
       rem = cutlass.min(count - n0, 8 * self.nt_max)
       if rem <= 8:
@@ -1016,13 +1020,18 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       elif rem <= 16:
         self._chunk(g2, 2, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap)
       else:
-        if cutlass.const_expr(self.nt_max > 2):
+        if cutlass.const_expr(self.nt_max > 2 and self.odd_bodies):
           if rem <= 24:
             self._chunk(g2, 3, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap)
           elif rem <= 32:
             self._chunk(g2, 4, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap)
           elif rem <= 48:
             self._chunk(g2, 6, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap)
+          else:
+            self._chunk(g2, 8, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap)
+        elif cutlass.const_expr(self.nt_max > 2):
+          if rem <= 32:
+            self._chunk(g2, 4, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap)
           else:
             self._chunk(g2, 8, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap)
 
