@@ -26,8 +26,8 @@ def _kernels(text: str) -> str:
 
 
 def _ablation(text: str) -> str:
-  if text not in ("", "nomath", "nogemm2", "widedecode", "tma", "static"):
-    raise ValueError("expected nomath, nogemm2, widedecode, tma, static or empty")
+  if text not in ("", "nomath", "nogemm2", "widedecode", "tma", "static", "evenbodies"):
+    raise ValueError("expected nomath, nogemm2, widedecode, tma, static, evenbodies or empty")
   return text
 
 
@@ -52,7 +52,8 @@ VARS = {v.name: v for v in (
                                        "in narrow passes too, results exact, for A/B timing; tma: the TMA "
                                        "producer of sm_120a on sm_90a too, results exact, for A/B timing; static: "
                                        "role 2's items by round-robin instead of the item queue, results exact, "
-                                       "for A/B timing); part of the cubin key"),
+                                       "for A/B timing; evenbodies: no pass bodies of 3 and 6 n-tiles, results "
+                                       "exact, for A/B timing); part of the cubin key"),
   Var("GCMOE_WAIT_TIMEOUT_MS", int, 2000, "bound of every device spin-wait; expiry becomes a Python exception"),
   Var("GCMOE_SYNC_CHECK", _bool, False, "synchronise after each CUDA call and raise a device fault at once "
                                         "(tests, debugging); otherwise it is raised by the next call"),

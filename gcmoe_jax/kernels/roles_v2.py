@@ -493,7 +493,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     self.dynamic = self.ablation != "static" and not v.shared
     # Pass bodies of 3 and 6 n-tiles (`_item`) wherever ptxas fits them without spilling: not in the SM120
     # shared-expert variants, whose v1 shared math already holds 255 registers there (16 B spilled with them).
-    self.odd_bodies = not (self.qmma and v.shared)
+    # `GCMOE_ABLATION=evenbodies` builds only the 1, 2, 4 and 8 bodies, for A/B timing.
+    self.odd_bodies = not (self.qmma and v.shared) and self.ablation != "evenbodies"
     self.rcap = v.capacity * v.ranks
     self.tags = CTRL_BYTES // 8
     self.role1_smem = (self.tags + (self.rcap * v.top_k + 3) // 4 * 4 + 127) // 128 * 128 if self.fused else 0
