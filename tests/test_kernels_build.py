@@ -329,6 +329,8 @@ def test_cli_builds_into_out(built, cache, capsys, tmp_path):
   assert len(rows) == 2 + len(build.ARCHS) and rows[0].startswith("| variant | arch | registers")
   sm120 = next(r for r in rows if "| sm_120a |" in r)
   assert "| H512 I256 E8 k4 T16 |" in sm120 and "| 2 | expanded (16) | yes |" in sm120, sm120
+  sm90 = next(r for r in rows if "| sm_90a |" in r)
+  assert sm120.endswith((" | yes |", " B) |")) and sm90.endswith("| compact | - | - | - |"), (sm120, sm90)
 
 
 @needs_dsl

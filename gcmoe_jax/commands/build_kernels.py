@@ -165,14 +165,15 @@ def _report_rows(summaries: list[dict]) -> list[str]:
   dev = geometry.RTX_PRO_5000
   head = ("| variant | arch | registers (roles 1/2/3) | role 2 SMEM (dynamic + static) | local bytes (roles 1/2/3) "
           "| spilled bytes (roles 1/2/3) | CTAs/SM built | FP4 weights (tile_n at B = capacity) "
-          "| fits 100 KB/SM at that c | paper eq. 9 S_role2 at B = capacity (c) |")
-  rows = [head, "| " + " | ".join(["---"] * 10) + " |"]
+          "| fits 100 KB/SM at that c | paper eq. 9 S_role2 at B = capacity (c) | within eq. 9 |")
+  rows = [head, "| " + " | ".join(["---"] * 11) + " |"]
   for s in sorted(summaries, key=lambda s: (s["arch"], s["key"])):
     v = s["variant"]
     smem = s["dynamic_smem"][1] + s["static_smem"][1]
     c = s["ctas_per_sm"][1]
     fits = "-"
     model = "-"
+    within = "-"
     tile_n = geometry.select_tile_n(geometry.rows_per_expert(v["capacity"], v["top_k"], v["experts"]))[0]
     fp4 = f"{s.get('fp4_weights', '-')} ({tile_n})" if s["arch"].startswith("sm_12") else s.get("fp4_weights", "-")
     if s["arch"].startswith("sm_12"):
@@ -181,11 +182,13 @@ def _report_rows(summaries: list[dict]) -> list[str]:
                            shared=v["shared_intermediate"] is not None, shared_I=v["shared_intermediate"])
       pl = geometry.plan(p, device=dev)
       model = f"{pl.smem.role2} B ({pl.launch.ctas_per_sm})"
+      # Whether the kernel's dynamic SMEM stays inside the paper's role-2 model for the same point (eqs. 9-12).
+      within = "yes" if s["dynamic_smem"][1] <= pl.smem.role2 else f"no (+{s['dynamic_smem'][1] - pl.smem.role2} B)"
     shared = f" + shared Is{v['shared_intermediate']} g{v['shared_group']}" if v["shared_intermediate"] else ""
     name = f"H{v['hidden']} I{v['intermediate']} E{v['experts']} k{v['top_k']} T{v['capacity']}{shared}"
     rows.append(f"| {name} | {s['arch']} | {' / '.join(map(str, s['registers']))} | {s['dynamic_smem'][1]} + "
                 f"{s['static_smem'][1]} | {' / '.join(map(str, s['local_bytes']))} | "
-                f"{' / '.join(map(str, s['spill_bytes']))} | {c} | {fp4} | {fits} | {model} |")
+                f"{' / '.join(map(str, s['spill_bytes']))} | {c} | {fp4} | {fits} | {model} | {within} |")
   return rows
 
 
