@@ -17,6 +17,7 @@ from gcmoe_jax._support import Support
 __all__ = [
   "JAXLIB_VERSION",
   "JAX_VERSION",
+  "ambient_concrete_mesh",
   "check_ffi_api",
   "ffi_result_like",
   "runtime_ffi_api",
@@ -85,3 +86,27 @@ def ffi_result_like(x: Any) -> Any:
   if typeof is not None:
     return typeof(x)
   return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def ambient_concrete_mesh() -> jax.sharding.Mesh | None:
+  """The concrete mesh (with devices) set around the current trace, or None; also inside `jax.jit` and `shard_map`.
+
+  ``jax.set_mesh(mesh)`` stores it in the ``device_context`` config (``jax._src.mesh.get_concrete_mesh``, jax 0.10.2
+  through 0.12; the public ``jax.sharding.get_mesh`` refuses to run inside `jax.jit`), the deprecated ``with mesh:``
+  in ``jax._src.mesh.thread_resources``. ``jax.shard_map(..., mesh=m)`` alone sets only the abstract mesh (no
+  devices), so then there is none. A jax that moved either private name gives None, never an error.
+  """
+  try:
+    from jax._src import mesh as mesh_lib
+  except ImportError:
+    return None
+  getters = (lambda: mesh_lib.get_concrete_mesh(), lambda: mesh_lib.thread_resources.env.physical_mesh)
+  for get in getters:
+    try:
+      mesh = get()
+    except AttributeError:
+      continue
+    # Both are jax's private empty Mesh (devices of rank 0) when unset; 0.10.2's device_context may also be None.
+    if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty:
+      return mesh
+  return None

@@ -200,7 +200,8 @@ _LOCAL_FNS = {"reference": _local_reference, "cpu": _local_cpu, "cuda": _local_c
 
 def moe(x: jax.Array, w: ExpertWeights, routes: Routes, *, clamp: float | None = None,
         backend: str = "auto", axis_name: str | None = None, ep_axis: str | None = None,
-        transport: str = "collective", capacity: int | None = None) -> jax.Array:
+        transport: str = "collective", capacity: int | None = None,
+        mesh: jax.sharding.Mesh | None = None) -> jax.Array:
   """The GC-MoE operator: routed MXFP4 experts (and the optional shared expert) applied to FP8 activations.
 
   Computes DESIGN §2 (docs/semantics.md): per token, MXFP8 activations, the gate/up GEMM, clamped SwiGLU, the
@@ -218,16 +219,23 @@ def moe(x: jax.Array, w: ExpertWeights, routes: Routes, *, clamp: float | None =
     ep_axis: under `jax.jit` on sharded global arrays: the mesh axis of the experts and tokens; XLA partitions
       the op into the per-rank program without gathering x, the routes or the weights.
     transport: expert-parallel transport, ``"collective"`` (all_to_all), ``"ragged"`` (GPU only) or ``"fused"``
-      (the in-kernel peer exchange of docs/fused_transport.md: ``ep_axis`` with ``backend="cuda"``, one process
-      driving GPUs with peer access; not yet run on several GPUs).
+      (the in-kernel peer exchange of docs/fused_transport.md: ``backend="cuda"``, one process driving GPUs with
+      peer access; with ``ep_axis``, or with ``axis_name`` given the concrete mesh, see ``mesh``). CPU-tested
+      (lowering, peer groups, errors); never run on several GPUs.
     capacity: expert-parallel rows per peer (default: no overflow possible); overflow poisons tokens with NaN.
+    mesh: with ``axis_name``: the concrete `jax.sharding.Mesh` the `shard_map` runs over (same axes, sizes and
+      device order). ``transport="fused"`` takes the kernels' peer groups from its devices; default: the mesh set
+      with `jax.set_mesh` (or the deprecated ``with mesh:``) around the trace, since ``jax.shard_map(...,
+      mesh=m)`` alone shows its body no devices. Checked when given, whatever the transport.
 
   Returns:
     bfloat16 ``[T, H]``.
 
   Raises:
     TypeError, ValueError: for arguments outside Table 10 (at trace time), or expert ids >= E when they are
-      concrete. RuntimeError: when a named backend cannot run here (the reason is in the message).
+      concrete; ValueError for ``transport="fused"`` inside shard_map without a mesh, or with one that lacks
+      ``axis_name`` or is shaped unlike the shard_map's. RuntimeError: when a named backend cannot run here (the
+      reason is in the message). NotImplementedError: ``transport="fused"`` over devices of other processes.
   """
   _check_args(x, w, routes, clamp, backend)
   explanation = explain(backend)
@@ -239,12 +247,16 @@ def moe(x: jax.Array, w: ExpertWeights, routes: Routes, *, clamp: float | None =
   if axis_name is not None and ep_axis is not None:
     raise ValueError(f"moe: pass axis_name (inside shard_map) or ep_axis (sharded global arrays), not both; got "
                      f"axis_name={axis_name!r}, ep_axis={ep_axis!r}")
+  if mesh is not None and axis_name is None:
+    # ep_axis takes the mesh from the arrays (the partitioner's), and one device needs none.
+    raise ValueError(f"moe: mesh applies with axis_name (inside jax.shard_map), got mesh with axes "
+                     f"{tuple(getattr(mesh, 'axis_names', ()))} and axis_name=None (ep_axis={ep_axis!r})")
   if transport == "fused" and chosen != "cuda":
     raise ValueError(f"moe: transport='fused' runs in the CUDA kernels (backend='cuda'), got backend={backend!r} "
                      f"(running {chosen!r}); use transport='collective' there")
   ep = {"local_fn": _LOCAL_FNS[chosen], "clamp": clamp, "transport": transport, "capacity": capacity}
   if axis_name is not None:
-    return sharding.moe_shard_map_body(x, w, ids, weights, axis_name=axis_name, **ep)
+    return sharding.moe_shard_map_body(x, w, ids, weights, axis_name=axis_name, mesh=mesh, **ep)
   if ep_axis is not None:
     return sharding.moe_partitioned(x, w, ids, weights, axis=ep_axis, **ep)
   if chosen == "reference":

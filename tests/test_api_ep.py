@@ -166,7 +166,9 @@ def test_fused_transport_lowers_one_fused_call_per_rank_with_the_meshs_peer_grou
 
 def test_fused_transport_errors_name_what_to_use_instead(problem):
   x, w, r, _ = problem
-  with pytest.raises(NotImplementedError, match=r"transport='fused' inside shard_map .* ep_axis=\.\.\. under jax.jit"):
+  with pytest.raises(ValueError, match=r"transport='fused' inside shard_map needs the concrete mesh, .* pass "
+                                       r"mesh=<the jax.sharding.Mesh shard_map runs over> or trace under "
+                                       r"jax.set_mesh\(mesh\), got mesh=None"):
     sharding.moe_shard_map_body(x, w, r.ids, r.weights, axis_name="ep", local_fn=reference.moe_emulated,
                                 transport="fused")
   with pytest.raises(ValueError, match=r"transport='fused' pulls every route and takes none, got capacity=4"):
@@ -178,9 +180,266 @@ def test_fused_transport_errors_name_what_to_use_instead(problem):
 
 
 def test_fused_peer_groups_follow_the_mesh_axis():
-  from gcmoe_jax.sharding import _partitioned
+  from gcmoe_jax.sharding import _body
   devices = jax.devices("cpu")[:8]
   mesh = jax.make_mesh((2, 4), ("dp", "ep"), devices=devices)
   ids = np.asarray([d.local_hardware_id for d in mesh.devices.flat]).reshape(2, 4)
-  assert _partitioned.peer_groups(mesh, "ep") == tuple(tuple(int(v) for v in row) for row in ids)
-  assert _partitioned.peer_groups(mesh, "dp") == tuple(tuple(int(v) for v in col) for col in ids.T)
+  assert _body.peer_groups(mesh, "ep") == tuple(tuple(int(v) for v in row) for row in ids)
+  assert _body.peer_groups(mesh, "dp") == tuple(tuple(int(v) for v in col) for col in ids.T)
+
+
+# ---- transport='fused' inside shard_map (axis_name): the concrete mesh gives the peer groups --------------------
+
+# The shard_map meshes of the fused tests: EP over 4 devices, alone or beside a data-parallel axis of 2, the devices
+# in a scrambled order so that the groups are not simply 0..7 in order.
+_SCRAMBLED = (5, 2, 7, 0, 3, 6, 1, 4)
+FUSED_MESHES = {"ep4": ((4,), ("ep",)), "dp2-ep4": ((2, 4), ("dp", "ep")), "ep4-dp2": ((4, 2), ("ep", "dp"))}
+
+
+def _fused_mesh(name):
+  shape, names = FUSED_MESHES[name]
+  devices = [jax.devices("cpu")[i] for i in _SCRAMBLED[:int(np.prod(shape))]]
+  return jax.sharding.Mesh(np.asarray(devices).reshape(shape), names, axis_types=(AxisType.Explicit,) * len(names))
+
+
+def _groups_along_ep(mesh):
+  """The expected peer groups, read off the device array directly: the devices along 'ep', for each other index."""
+  devices = mesh.devices if mesh.axis_names[-1] == "ep" else mesh.devices.T
+  return tuple(tuple(int(d.local_hardware_id) for d in row) for row in devices.reshape(-1, mesh.shape["ep"]))
+
+
+def _fake_fused_call(seen, received=None):
+  """A stand-in for `ffi.moe_fused_call` (the kernels need GPUs) that records its static arguments in ``seen`` at
+  trace time, each rank's ids in ``received`` when it runs, and returns, for each token, the sum of (id + 1) over
+  its ids."""
+  import jax.numpy as jnp
+
+  def fake(x, w_local, ids, weights, *, clamp, peer_groups):
+    seen.append((x.shape, int(w_local.w13.shape[0]), w_local.num_experts, ids.shape, peer_groups, clamp))
+    if received is not None:
+      jax.debug.callback(lambda a: received.append(np.asarray(a)), ids)
+    s = jnp.sum(jnp.where(ids >= 0, ids + 1, 0), axis=1, keepdims=True)
+    return s.astype(jnp.bfloat16) + jnp.zeros_like(x)
+
+  return fake
+
+
+def _fake_expected(ids):
+  """What the fake returns per token once ids >= E are masked to -1, and NaN for the tokens that held one."""
+  masked = np.where(ids >= SHAPE.experts, -1, ids)
+  s = np.where(masked >= 0, masked + 1, 0).sum(axis=1).astype(np.float32)
+  return np.where((ids >= SHAPE.experts).any(axis=1), np.nan, s)
+
+
+def _with_an_invalid_id(r):
+  ids = np.asarray(r.ids).copy()
+  ids[3, 1] = SHAPE.experts + 5  # an invalid id: its token comes back NaN and is counted
+  return gm.Routes(ids, r.weights), ids
+
+
+def _fused_stats_program(w, mesh, axis_mesh, **kw):
+  """jit(shard_map) of `moe_shard_map_body_with_stats` with transport='fused' over ``mesh``, given ``axis_mesh``."""
+  def step(x, w, ids, wt):
+    return sharding.moe_shard_map_body_with_stats(x, w, ids, wt, axis_name="ep", local_fn=reference.moe_emulated,
+                                                  clamp=10.0, transport="fused", mesh=axis_mesh, **kw)
+
+  specs = (P("ep"), sharding.expert_specs(w), P("ep"), P("ep"))
+  return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=specs, out_specs=(P("ep"), P())))
+
+
+@pytest.mark.parametrize("source", ["mesh=", "jax.set_mesh", "with mesh"])
+@pytest.mark.parametrize("mesh_name", list(FUSED_MESHES))
+def test_fused_inside_shard_map_is_one_fused_call_per_rank_with_the_meshs_peer_groups(problem, monkeypatch, mesh_name,
+                                                                                      source):
+  """``axis_name`` with transport='fused': the body lowers to one fused call over its B tokens and L local experts,
+  given the peer groups of the concrete mesh (explicit, or the one set around the trace); invalid ids are masked as
+  on the partitioned path (their tokens NaN), and the EPStats are the partitioned path's."""
+  import warnings
+
+  from gcmoe_jax import ffi
+  x, w, r, _ = problem
+  seen, received = [], []
+  monkeypatch.setattr(ffi, "moe_fused_call", _fake_fused_call(seen, received))
+  routes, ids = _with_an_invalid_id(r)
+  mesh = _fused_mesh(mesh_name)
+  args = _placed(mesh, x, w, routes)
+  if source == "mesh=":
+    y, stats = _fused_stats_program(w, mesh, mesh)(*args)
+  elif source == "jax.set_mesh":
+    with jax.set_mesh(mesh):
+      y, stats = _fused_stats_program(w, mesh, None)(*args)
+  else:
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", DeprecationWarning)  # `with mesh:` is deprecated, still supported
+      with mesh:
+        y, stats = _fused_stats_program(w, mesh, None)(*args)
+  b, k, local = SHAPE.tokens // R, SHAPE.top_k, SHAPE.experts // R
+  groups = _groups_along_ep(mesh)
+  assert len(groups) == mesh.size // R and all(len(g) == R for g in groups), groups
+  assert seen == [((b, SHAPE.hidden), local, local, (b, k), groups, 10.0)]
+  # Each rank's call got its own B tokens' ids with the invalid one masked to padding (once per dp replica).
+  masked = np.where(ids >= SHAPE.experts, -1, ids)
+  want_ids = sorted([masked[p * b:(p + 1) * b].tobytes() for p in range(R)] * (mesh.size // R))
+  assert sorted(a.astype(np.int32).tobytes() for a in received) == want_ids, received
+  np.testing.assert_array_equal(np.asarray(y, np.float32)[:, 0], _fake_expected(ids))
+  valid = (ids >= 0) & (ids < SHAPE.experts)
+  load = max(np.sum((ids[p * b:(p + 1) * b] // local == q) & valid[p * b:(p + 1) * b]) for p in range(R)
+             for q in range(R))
+  # Summed over 'ep' only: each dp group counts its own replica of the tokens once.
+  assert (int(stats.overflow), int(stats.invalid), int(stats.max_load)) == (0, 1, load)
+
+
+def _as_cuda(monkeypatch):
+  """`gm.moe` believes backend='cuda' runs here (the wiring under test stops before any kernel)."""
+  monkeypatch.setattr(gm.api, "explain", lambda backend="auto": gm.api.Explanation("cuda", backend, ()))
+
+
+def _gm_fused_program(w, shard_mesh, **kw):
+  """jit(shard_map over ``shard_mesh``) of `gm.moe` with axis_name='ep', transport='fused' and keywords ``kw``."""
+  def body(x, w, ids, wt):
+    return gm.moe(x, w, gm.Routes(ids, wt), clamp=10.0, backend="cuda", axis_name="ep", transport="fused", **kw)
+
+  specs = (P("ep"), sharding.expert_specs(w), P("ep"), P("ep"))
+  return jax.jit(jax.shard_map(body, mesh=shard_mesh, in_specs=specs, out_specs=P("ep")))
+
+
+def test_gm_moe_passes_its_mesh_to_the_fused_shard_map_body(problem, monkeypatch):
+  from gcmoe_jax import ffi
+  x, w, r, _ = problem
+  seen = []
+  _as_cuda(monkeypatch)
+  monkeypatch.setattr(ffi, "moe_fused_call", _fake_fused_call(seen))
+  routes, ids = _with_an_invalid_id(r)
+  mesh = _fused_mesh("dp2-ep4")
+  y = _gm_fused_program(w, mesh, mesh=mesh)(*_placed(mesh, x, w, routes))
+  b, local = SHAPE.tokens // R, SHAPE.experts // R
+  assert seen == [((b, SHAPE.hidden), local, local, (b, SHAPE.top_k), _groups_along_ep(mesh), 10.0)]
+  np.testing.assert_array_equal(np.asarray(y, np.float32)[:, 0], _fake_expected(ids))
+
+
+def test_fused_inside_shard_map_lowers_to_one_gcmoe_custom_call_and_no_all_to_all(problem, monkeypatch):
+  """The real `ffi.moe_fused_call` lowered on CPU: only the kernel variant's registration (`_cuda.prepare`, which
+  needs a GPU) is replaced. The StableHLO has one gcmoe custom call over this rank's B tokens and L experts with the
+  fused variant, and no all_to_all (the collective transport has two)."""
+  from gcmoe_jax.ffi import _cuda, _moe
+  x, w, r, _ = problem
+  prepared = []
+
+  def prepare(hidden, intermediate, experts, top_k, tokens, shared_intermediate, shared_group, peer_groups=()):
+    prepared.append((experts, top_k, tokens, peer_groups))
+    return "fused-test-variant"
+
+  _as_cuda(monkeypatch)
+  monkeypatch.setattr(_cuda, "prepare", prepare)
+  monkeypatch.setattr(_moe, "_require_library", lambda: None)  # lowering needs no handler
+  mesh = _fused_mesh("dp2-ep4")
+  args = _placed(mesh, x, w, r)
+  text = _gm_fused_program(w, mesh, mesh=mesh).lower(*args).as_text()
+  b, k, local, h = SHAPE.tokens // R, SHAPE.top_k, SHAPE.experts // R, SHAPE.hidden
+  assert prepared == [(local, k, b, _groups_along_ep(mesh))]
+  calls = [line for line in text.splitlines() if "stablehlo.custom_call @gcmoe_moe_v1" in line]
+  assert len(calls) == 1, calls
+  assert 'variant = "fused-test-variant"' in calls[0] and f"E = {local} : i64" in calls[0], calls[0]
+  operands = calls[0].rsplit(" : (", 1)[1]  # the operand types: x, w13, ..., ids, weights, shared
+  assert operands.startswith(f"tensor<{b}x{h}xbf16>, tensor<{local}x"), operands
+  assert f"tensor<{b}x{k}xi32>, tensor<{b}x{k}xf32>" in operands, operands
+  assert "all_to_all" not in text
+  # The collective transport's lowering of the same program does have the exchange, so the check above can fail.
+  collective = jax.jit(jax.shard_map(
+    lambda x, w, i, g: gm.moe(x, w, gm.Routes(i, g), clamp=10.0, backend="cuda", axis_name="ep"), mesh=mesh,
+    in_specs=(P("ep"), sharding.expert_specs(w), P("ep"), P("ep")), out_specs=P("ep"))).lower(*args).as_text()
+  assert collective.count("stablehlo.all_to_all") == 2
+
+
+def test_fused_inside_shard_map_with_one_rank_runs_the_local_op(problem, monkeypatch):
+  """R = 1: no transport runs (as on the partitioned path), so local_fn computes every route: the oracle."""
+  from gcmoe_jax import ffi
+  x, w, r, want = problem
+  seen = []
+  monkeypatch.setattr(ffi, "moe_fused_call", _fake_fused_call(seen))
+  mesh = jax.make_mesh((1,), ("ep",), axis_types=(AxisType.Explicit,), devices=jax.devices("cpu")[:1])
+
+  def step(x, w, ids, wt):
+    return sharding.moe_shard_map_body(x, w, ids, wt, axis_name="ep", local_fn=reference.moe_emulated, clamp=10.0,
+                                       transport="fused", mesh=mesh)
+
+  specs = (P("ep"), sharding.expert_specs(w), P("ep"), P("ep"))
+  y = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=specs, out_specs=P("ep")))(*_placed(mesh, x, w, r))
+  assert seen == []
+  np.testing.assert_array_equal(np.asarray(y).view(np.uint16), want)
+
+
+def _trace_fused(problem, mesh, **kw):
+  x, w, r, _ = problem
+  return _fused_stats_program(w, mesh, **kw).trace(*_placed(mesh, x, w, r))
+
+
+@pytest.mark.parametrize("case, exc, match", [
+  ("no mesh", ValueError, (r"moe: transport='fused' inside shard_map needs the concrete mesh, whose devices give the "
+                           r"kernels their peers: pass mesh=<the jax.sharding.Mesh shard_map runs over> or trace under "
+                           r"jax.set_mesh\(mesh\), got mesh=None and no mesh set \(axis_name='ep'\)")),
+  ("axis missing", ValueError, r"moe: mesh must have the axis axis_name='ep', got a mesh with axes \('x',\)"),
+  ("axis size", ValueError, (r"moe: mesh axis 'ep' must have the size of the shard_map axis 'ep' \(R = 4\), got 8 in "
+                             r"mesh \{'ep': 8\}; pass the mesh shard_map runs over")),
+  ("ambient axis size", ValueError, (r"moe: mesh axis 'ep' must have the size of the shard_map axis 'ep' \(R = 4\), "
+                                     r"got 8")),
+  ("other axes", ValueError, (r"moe: mesh must be the mesh shard_map runs over, of shape \{'dp': 2, 'ep': 4\}, got "
+                              r"\{'ep': 4\}")),
+  ("abstract mesh", TypeError, (r"moe: mesh must be a jax.sharding.Mesh \(with devices: the mesh shard_map runs over\) "
+                                r"or None, got AbstractMesh")),
+  ("capacity", ValueError, r"transport='fused' pulls every route and takes none, got capacity=4"),
+])
+def test_fused_inside_shard_map_mesh_errors(problem, monkeypatch, case, exc, match):
+  import warnings
+
+  from gcmoe_jax import ffi
+  monkeypatch.setattr(ffi, "moe_fused_call", _fake_fused_call([]))
+  cpu = jax.devices("cpu")
+  ep4, ep8 = (jax.make_mesh((n,), ("ep",), devices=cpu[:n]) for n in (4, 8))
+  with pytest.raises(exc, match=match):
+    if case == "no mesh":
+      _trace_fused(problem, ep4, axis_mesh=None)
+    elif case == "axis missing":
+      _trace_fused(problem, ep4, axis_mesh=jax.make_mesh((4,), ("x",), devices=cpu[:4]))
+    elif case == "axis size":
+      _trace_fused(problem, ep4, axis_mesh=ep8)
+    elif case == "ambient axis size":  # a mesh set around the trace is checked too: it need not be shard_map's
+      with warnings.catch_warnings():  # (jax.set_mesh itself refuses a shard_map over another mesh)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with ep8:
+          _trace_fused(problem, ep4, axis_mesh=None)
+    elif case == "other axes":  # the EP devices alone would leave the other dp group's devices out of the groups
+      _trace_fused(problem, jax.make_mesh((2, 4), ("dp", "ep"), devices=cpu[:8]), axis_mesh=ep4)
+    elif case == "abstract mesh":
+      _trace_fused(problem, ep4, axis_mesh=ep4.abstract_mesh)
+    else:
+      _trace_fused(problem, ep4, axis_mesh=ep4, capacity=4)
+
+
+def test_fused_inside_shard_map_refuses_devices_of_other_processes(problem, monkeypatch):
+  """`peer_groups`' NotImplementedError, seen from the body: here every device looks remote to 'process 1'."""
+  from gcmoe_jax import ffi
+  monkeypatch.setattr(ffi, "moe_fused_call", _fake_fused_call([]))
+  mesh = jax.make_mesh((4,), ("ep",), devices=jax.devices("cpu")[:4])
+  x, w, r, _ = problem
+  args = _placed(mesh, x, w, r)
+  monkeypatch.setattr(jax, "process_index", lambda *a: 1)
+  with pytest.raises(NotImplementedError, match=r"moe: transport='fused' runs within one process driving its "
+                                                r"GPUs; mesh axis 'ep' holds devices of other processes \(.* is on "
+                                                r"process 0\)"):
+    _fused_stats_program(w, mesh, mesh).trace(*args)
+
+
+def test_gm_moe_fused_inside_shard_map_errors(problem, monkeypatch):
+  """Another backend than cuda is refused as on the partitioned path; ``mesh`` belongs with ``axis_name``."""
+  x, w, r, _ = problem
+  mesh = _mesh()
+  with pytest.raises(ValueError, match=r"moe: transport='fused' runs in the CUDA kernels \(backend='cuda'\), got "
+                                       r"backend='reference' \(running 'reference'\); use transport='collective'"):
+    gm.moe(x, w, r, backend="reference", axis_name="ep", transport="fused", mesh=mesh)
+  with pytest.raises(ValueError, match=r"moe: mesh applies with axis_name \(inside jax.shard_map\), got mesh with axes "
+                                       r"\('ep',\) and axis_name=None \(ep_axis='ep'\)"):
+    gm.moe(x, w, r, backend="reference", ep_axis="ep", mesh=mesh)
+  _as_cuda(monkeypatch)
+  with pytest.raises(ValueError, match=r"needs the concrete mesh"):
+    _gm_fused_program(w, mesh).trace(*_placed(mesh, x, w, r))

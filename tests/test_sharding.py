@@ -285,7 +285,9 @@ def test_expert_shardings_rejects_unknown_axis():
   ({"ids": jnp.zeros((3, 4), jnp.int32)}, ValueError,
    r"moe: ids and weights must have shape \[T, k\] with T = x.shape\[0\] = 2, got \[3, 4\] and \[2, 4\]"),
   ({"transport": "nccl"}, ValueError, r"moe: transport must be one of \('collective', 'ragged', 'fused'\), got 'nccl'"),
-  ({"transport": "fused"}, NotImplementedError, r"moe: transport='fused' inside shard_map \(axis_name\) is not"),
+  ({"transport": "fused"}, ValueError, r"moe: transport='fused' inside shard_map needs the concrete mesh"),
+  ({"mesh": "ep"}, TypeError, (r"moe: mesh must be a jax.sharding.Mesh \(with devices: the mesh shard_map runs over\) "
+                               r"or None, got str")),
   ({"capacity": 2.0}, TypeError, r"moe: capacity must be an int or None, got float"),
   ({"capacity": 0}, ValueError, r"moe: capacity must be >= 1 \(rows per peer\), got 0"),
   ({"axis_name": ("ep",)}, TypeError, r"moe: axis_name must be a str \(one mesh axis\), got tuple"),

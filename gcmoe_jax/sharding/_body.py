@@ -1,4 +1,9 @@
-"""The per-shard expert-parallel body: dispatch, the local grouped op, combine (DESIGN §2 step 6, §6)."""
+"""The per-shard expert-parallel body: dispatch, the local grouped op, combine (DESIGN §2 step 6, §6).
+
+Also the fused transport's per-shard call (docs/fused_transport.md), which both entry points lower to: the peer
+groups of a mesh, one `ffi.moe_fused_call` with invalid ids masked, its `EPStats`, and the concrete mesh a
+`shard_map` body takes the peer groups from.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gcmoe_jax import _compat, ffi
 from gcmoe_jax._checks import check_activations
 from gcmoe_jax.formats import ExpertWeights
 from gcmoe_jax.sharding import _transport as tr
@@ -32,12 +38,8 @@ class EPStats(NamedTuple):
   max_load: jax.Array
 
 
-def check_common(x: Any, w: Any, ids: Any, weights: Any, local_fn: Any, transport: Any, capacity: Any, *,
-                 fused_ok: bool = False) -> None:
-  """Trace-time checks shared by both entry points (TypeError for types and ranks, ValueError for values).
-
-  ``fused_ok``: the entry point can run ``transport='fused'`` (the partitioned one, which sees the mesh's devices).
-  """
+def check_common(x: Any, w: Any, ids: Any, weights: Any, local_fn: Any, transport: Any, capacity: Any) -> None:
+  """Trace-time checks shared by both entry points (TypeError for types and ranks, ValueError for values)."""
   if not isinstance(w, ExpertWeights):
     raise TypeError(f"moe: w must be gcmoe_jax.ExpertWeights, got {type(w).__name__}")
   if not callable(local_fn):
@@ -53,11 +55,6 @@ def check_common(x: Any, w: Any, ids: Any, weights: Any, local_fn: Any, transpor
   if ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
     raise ValueError(f"moe: ids and weights must have shape [T, k] with T = x.shape[0] = {x.shape[0]}, got "
                      f"{list(ids.shape)} and {list(weights.shape)}")
-  if transport == "fused" and not fused_ok:
-    # The kernels' peer table needs every rank's device, which a shard_map body does not see.
-    raise NotImplementedError("moe: transport='fused' inside shard_map (axis_name) is not supported: the fused "
-                              "transport needs the mesh's devices; call gm.moe on sharded global arrays with "
-                              "ep_axis=... under jax.jit, or use transport='collective' (the default) or 'ragged'")
   if transport not in (*tr.TRANSPORTS, "fused"):
     raise ValueError(f"moe: transport must be one of {(*tr.TRANSPORTS, 'fused')}, got {transport!r}")
   if transport == "fused" and capacity is not None:
@@ -84,9 +81,12 @@ def _nan_where(bad_token: jax.Array, y: jax.Array) -> jax.Array:
 
 
 def body(x: jax.Array, w_local: ExpertWeights, ids: jax.Array, weights: jax.Array, *, axis_name: str,
-         local_fn: LocalFn, clamp: float | None, transport: str, capacity: int | None
-         ) -> tuple[jax.Array, EPStats]:
-  """`moe_shard_map_body_with_stats` without the argument checks (also the partitioned path's per-shard body)."""
+         local_fn: LocalFn, clamp: float | None, transport: str, capacity: int | None,
+         groups: tuple[tuple[int, ...], ...] | None = None) -> tuple[jax.Array, EPStats]:
+  """`moe_shard_map_body_with_stats` without the argument checks (also the partitioned path's per-shard body).
+
+  ``groups``: the mesh's `peer_groups` along ``axis_name``, for ``transport='fused'`` (unused by the others).
+  """
   r = jax.lax.axis_size(axis_name)
   num_local = int(w_local.w13.shape[0])
   b, k = ids.shape
@@ -101,6 +101,8 @@ def body(x: jax.Array, w_local: ExpertWeights, ids: jax.Array, weights: jax.Arra
     y = local_fn(x, local_experts(w_local, shared=True), jnp.where(bad, -1, ids), weights, clamp=clamp)
     n_bad = jnp.sum(bad, dtype=jnp.int32)
     return _nan_where(bad.any(axis=1), y), EPStats(jnp.int32(0), n_bad, jnp.sum(ids >= 0, dtype=jnp.int32) - n_bad)
+  if transport == "fused":
+    return fused_body(x, w_local, ids, weights, axis_name=axis_name, ranks=r, clamp=clamp, groups=groups)
 
   c = b * k if capacity is None else min(int(capacity), b * k)  # b k rows per peer can never overflow
   lay = tr.layout(ids, num_local, r, c)
@@ -138,15 +140,102 @@ def body(x: jax.Array, w_local: ExpertWeights, ids: jax.Array, weights: jax.Arra
   return _nan_where(poisoned, y), stats
 
 
-def _check_body_args(x, w_local, ids, weights, axis_name, local_fn, transport, capacity) -> None:
+# -----------------------------------------------------------------------------------------------------------------
+# The fused transport (docs/fused_transport.md): the per-shard call and where its peer groups come from
+# -----------------------------------------------------------------------------------------------------------------
+
+
+def peer_groups(mesh: jax.sharding.Mesh, axis: str) -> tuple[tuple[int, ...], ...]:
+  """The fused transport's peer groups of ``mesh`` along ``axis``: for every position on the other axes, the CUDA
+  ordinals (``local_hardware_id``) of the devices along ``axis``, in rank order.
+
+  Raises:
+    NotImplementedError: when a device belongs to another process (the fused transport across processes needs
+      shared memory handles, not built: docs/fused_transport.md).
+  """
+  names = list(mesh.axis_names)
+  devices = np.moveaxis(np.asarray(mesh.devices), names.index(axis), -1)
+  groups = devices.reshape(-1, devices.shape[-1])
+  this = jax.process_index()
+  remote = [d for d in groups.flat if d.process_index != this]
+  if remote:
+    raise NotImplementedError(f"moe: transport='fused' runs within one process driving its GPUs; mesh axis "
+                              f"{axis!r} holds devices of other processes ({remote[0]} is on process "
+                              f"{remote[0].process_index}); use transport='collective'")
+  return tuple(tuple(int(d.local_hardware_id) for d in g) for g in groups)
+
+
+def _fused_stats(ids: jax.Array, num_experts: int, num_local: int, ranks: int, axis: str) -> EPStats:
+  """The fused transport's `EPStats`: nothing overflows (every route is pulled), invalid ids, and the most routes
+  one rank sends one peer (the collective transports' smallest overflow-free capacity, for comparison)."""
+  valid = (ids >= 0) & (ids < num_experts)
+  dest = jnp.where(valid, ids // num_local, ranks)
+  load = jnp.zeros((ranks + 1,), jnp.int32).at[dest.reshape(-1)].add(1)[:ranks].max()
+  invalid = jax.lax.psum(jnp.sum(ids >= num_experts, dtype=jnp.int32), axis)
+  return EPStats(jnp.int32(0), invalid, jax.lax.pmax(load, axis))
+
+
+def fused_body(x: jax.Array, w_local: ExpertWeights, ids: jax.Array, weights: jax.Array, *, axis_name: str,
+               ranks: int, clamp: float | None, groups: tuple[tuple[int, ...], ...]) -> tuple[jax.Array, EPStats]:
+  """One rank's fused-transport program (both entry points): ONE `ffi.moe_fused_call` over its B tokens and L
+  experts, given every rank's device; ids >= E = L R become padding there and their tokens NaN (a traced id cannot
+  raise), counted in `EPStats.invalid`."""
+  num_local = int(w_local.w13.shape[0])
+  num_experts = num_local * ranks
+  bad = ids >= num_experts
+  # The variant is keyed by the L local experts, whatever the static num_experts of w_local says.
+  y = ffi.moe_fused_call(x, local_experts(w_local, shared=True), jnp.where(bad, -1, ids), weights, clamp=clamp,
+                         peer_groups=groups)
+  return _nan_where(bad.any(axis=1), y), _fused_stats(ids, num_experts, num_local, ranks, axis_name)
+
+
+def _check_mesh(mesh: Any, axis_name: str) -> None:
+  """``mesh`` is a concrete mesh with ``axis_name``, shaped like the mesh of the `shard_map` the body traces in."""
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise TypeError(f"moe: mesh must be a jax.sharding.Mesh (with devices: the mesh shard_map runs over) or None, "
+                    f"got {type(mesh).__name__}")
+  shape = dict(mesh.shape)
+  if axis_name not in shape:
+    raise ValueError(f"moe: mesh must have the axis axis_name={axis_name!r}, got a mesh with axes "
+                     f"{tuple(mesh.axis_names)}")
+  ranks = jax.lax.axis_size(axis_name)
+  if isinstance(ranks, (int, np.integer)) and int(ranks) != shape[axis_name]:
+    raise ValueError(f"moe: mesh axis {axis_name!r} must have the size of the shard_map axis {axis_name!r} "
+                     f"(R = {int(ranks)}), got {shape[axis_name]} in mesh {shape}; pass the mesh shard_map runs over")
+  # The peer groups cover every position on the other axes, so those must match too (else some ranks' devices are
+  # missing from the groups). Inside shard_map the abstract mesh is its mesh; devices cannot be compared here.
+  body_mesh = jax.sharding.get_abstract_mesh()
+  if not body_mesh.empty and tuple(body_mesh.shape.items()) != tuple(mesh.shape.items()):
+    raise ValueError(f"moe: mesh must be the mesh shard_map runs over, of shape {dict(body_mesh.shape)}, got "
+                     f"{shape}")
+
+
+def _fused_groups(mesh: jax.sharding.Mesh | None, axis_name: str) -> tuple[tuple[int, ...], ...]:
+  """The peer groups of a `shard_map` body's fused transport: from ``mesh`` (already checked), else from the
+  concrete mesh set around the trace; empty when the axis has one rank (no transport runs)."""
+  if mesh is None:
+    mesh = _compat.ambient_concrete_mesh()
+    if mesh is None:
+      # jax.shard_map(..., mesh=m) gives its body only the abstract mesh, which has no devices.
+      raise ValueError(f"moe: transport='fused' inside shard_map needs the concrete mesh, whose devices give the "
+                       f"kernels their peers: pass mesh=<the jax.sharding.Mesh shard_map runs over> or trace under "
+                       f"jax.set_mesh(mesh), got mesh=None and no mesh set (axis_name={axis_name!r})")
+    _check_mesh(mesh, axis_name)  # the ambient mesh need not be the one shard_map runs over
+  return peer_groups(mesh, axis_name) if dict(mesh.shape)[axis_name] > 1 else ()
+
+
+def _check_body_args(x, w_local, ids, weights, axis_name, local_fn, transport, capacity, mesh) -> None:
   check_common(x, w_local, ids, weights, local_fn, transport, capacity)
   if not isinstance(axis_name, str):
     raise TypeError(f"moe: axis_name must be a str (one mesh axis), got {type(axis_name).__name__}")
+  if mesh is not None:  # checked whatever the transport; only the fused one uses it
+    _check_mesh(mesh, axis_name)
 
 
 def moe_shard_map_body(x: jax.Array, w_local: ExpertWeights, ids: jax.Array, weights: jax.Array, *,
                        axis_name: str, local_fn: LocalFn, clamp: float | None = None,
-                       transport: str = "collective", capacity: int | None = None) -> jax.Array:
+                       transport: str = "collective", capacity: int | None = None,
+                       mesh: jax.sharding.Mesh | None = None) -> jax.Array:
   """Expert-parallel MoE for one rank; call it inside `jax.shard_map` over the mesh axis ``axis_name``.
 
   The axis has R ranks. Rank r holds B tokens and the L = E/R experts ``r L .. r L + L - 1``: global expert id g
@@ -166,31 +255,42 @@ def moe_shard_map_body(x: jax.Array, w_local: ExpertWeights, ids: jax.Array, wei
       padding), weights [M, k'] f32, *, clamp) -> [M, H] bf16`` computing DESIGN §2 on local experts, e.g.
       `gcmoe_jax.reference.moe_emulated`.
     clamp: the SwiGLU clamp, or None.
-    transport: ``"collective"`` (`jax.lax.all_to_all`, runs everywhere) or ``"ragged"``
-      (`jax.lax.ragged_all_to_all`, GPU only: XLA:CPU does not implement it).
+    transport: ``"collective"`` (`jax.lax.all_to_all`, runs everywhere), ``"ragged"``
+      (`jax.lax.ragged_all_to_all`, GPU only: XLA:CPU does not implement it) or ``"fused"`` (the CUDA kernels' peer
+      exchange, docs/fused_transport.md: ONE `ffi.moe_fused_call` per rank, one process driving its GPUs; needs the
+      concrete mesh, see ``mesh``; ``local_fn`` then runs only when R = 1). Fused inside shard_map is CPU-tested
+      (lowering, peer groups, errors) and has never run on several GPUs.
     capacity: rows each rank may send to each peer; default (None) ``B k``, which can never overflow. Routes past
       the capacity are not computed: their tokens come back NaN and `moe_shard_map_body_with_stats` counts them.
-      Ignored when R = 1 (no transport).
+      Ignored when R = 1 (no transport); an error with ``"fused"`` (every route is pulled).
+    mesh: the concrete `jax.sharding.Mesh` the `shard_map` runs over (same axes, sizes and device order), from
+      which ``"fused"`` takes its peer groups: for each position on the other axes, the CUDA ordinals of the
+      devices along ``axis_name`` in rank order. Default: the mesh set with `jax.set_mesh` (or the deprecated
+      ``with mesh:``) around the trace; ``jax.shard_map(..., mesh=m)`` alone gives the body no devices. Checked
+      when given, whatever the transport; only ``"fused"`` uses it.
 
   Returns:
     bfloat16 ``[B, H]``: this rank's outputs.
 
   Raises:
-    TypeError, ValueError: for arguments of the wrong type, rank, dtype or shape (at trace time).
+    TypeError, ValueError: for arguments of the wrong type, rank, dtype or shape (at trace time); ValueError for
+      ``"fused"`` without a mesh, or a mesh without ``axis_name``, of another axis size or shape than the body's.
+    NotImplementedError: ``"fused"`` over devices of other processes (IPC handles: not built).
   """
   return moe_shard_map_body_with_stats(x, w_local, ids, weights, axis_name=axis_name, local_fn=local_fn, clamp=clamp,
-                                       transport=transport, capacity=capacity)[0]
+                                       transport=transport, capacity=capacity, mesh=mesh)[0]
 
 
 def moe_shard_map_body_with_stats(x: jax.Array, w_local: ExpertWeights, ids: jax.Array, weights: jax.Array, *,
                                   axis_name: str, local_fn: LocalFn, clamp: float | None = None,
-                                  transport: str = "collective", capacity: int | None = None
-                                  ) -> tuple[jax.Array, EPStats]:
+                                  transport: str = "collective", capacity: int | None = None,
+                                  mesh: jax.sharding.Mesh | None = None) -> tuple[jax.Array, EPStats]:
   """`moe_shard_map_body` that also returns the transport's `EPStats` (overflow, invalid ids, peak load).
 
   Returns:
     ``(y, stats)``: y bfloat16 ``[B, H]``; stats int32 scalars, equal on every rank (use ``out_specs=P()``).
   """
-  _check_body_args(x, w_local, ids, weights, axis_name, local_fn, transport, capacity)
+  _check_body_args(x, w_local, ids, weights, axis_name, local_fn, transport, capacity, mesh)
+  groups = _fused_groups(mesh, axis_name) if transport == "fused" else None
   return body(x, w_local, ids, weights, axis_name=axis_name, local_fn=local_fn, clamp=clamp, transport=transport,
-              capacity=capacity)
+              capacity=capacity, groups=groups)

@@ -2,9 +2,10 @@
 
 `moe_partitioned` is one `custom_partitioning` call over flat arrays. When XLA partitions it over a mesh with the
 expert axis, the `partition` callback asks for tokens, routes and routed experts split over that axis (the shared
-expert replicated) and lowers one per-shard body (`_body.body`: all_to_all dispatch, local op, all_to_all combine),
-so neither x, the routes nor the weights are ever gathered. On one device, or inside a fully manual `shard_map`,
-JAX runs the global function instead: ``local_fn`` over all tokens and all experts, which is the same result.
+expert replicated) and lowers one per-shard body (`_body.body`: all_to_all dispatch, local op, all_to_all combine;
+for transport='fused', `_body.fused_body`: one kernel call given the mesh's peer groups), so neither x, the routes
+nor the weights are ever gathered. On one device, or inside a fully manual `shard_map`, JAX runs the global
+function instead: ``local_fn`` over all tokens and all experts, which is the same result.
 
 The op's arguments are flat arrays, not the `ExpertWeights` pytree: the per-shard arrays hold L = E/R experts, and
 `ExpertWeights` checks its shapes when it is rebuilt, so the per-shard body relabels them itself (`_rebuild`).
@@ -19,12 +20,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gcmoe_jax import ffi
 from gcmoe_jax.formats import ExpertWeights, SharedWeights
 from gcmoe_jax.sharding import _body
 from gcmoe_jax.sharding._body import EPStats, LocalFn
@@ -108,55 +107,15 @@ def _partition(st: _Static, mesh, arg_shapes, result_shape):
   arg_shardings, result_shardings = _shardings(st, mesh, len(arg_shapes) - 3)
   if r == 1:
     return mesh, functools.partial(_global, st), result_shardings, arg_shardings
-  if st.transport == "fused":
-    groups = peer_groups(mesh, st.axis)
-
-    def lower_fused(x, ids, weights, *leaves):
-      w_local = _rebuild(st, leaves)
-      bad = ids >= st.num_experts
-      y = ffi.moe_fused_call(x, w_local, jnp.where(bad, -1, ids), weights.astype(jnp.float32), clamp=st.clamp,
-                             peer_groups=groups)
-      y = jnp.where(bad.any(axis=1, keepdims=True), jnp.asarray(jnp.nan, y.dtype), y)
-      return y, _stats_vector(_fused_stats(ids, st.num_experts, int(w_local.w13.shape[0]), r, st.axis))
-
-    return mesh, lower_fused, result_shardings, arg_shardings
+  # The fused transport's kernels need every rank's device: the partitioner's mesh has them.
+  groups = _body.peer_groups(mesh, st.axis) if st.transport == "fused" else None
 
   def lower_fn(x, ids, weights, *leaves):
     y, stats = _body.body(x, _rebuild(st, leaves), ids, weights, axis_name=st.axis, local_fn=st.local_fn,
-                          clamp=st.clamp, transport=st.transport, capacity=st.capacity)
+                          clamp=st.clamp, transport=st.transport, capacity=st.capacity, groups=groups)
     return y, _stats_vector(stats)
 
   return mesh, lower_fn, result_shardings, arg_shardings
-
-
-def peer_groups(mesh, axis: str) -> tuple[tuple[int, ...], ...]:
-  """The fused transport's peer groups of ``mesh`` along ``axis``: for every position on the other axes, the CUDA
-  ordinals (``local_hardware_id``) of the devices along ``axis``, in rank order.
-
-  Raises:
-    NotImplementedError: when a device belongs to another process (the fused transport across processes needs
-      shared memory handles, not built: docs/fused_transport.md).
-  """
-  names = list(mesh.axis_names)
-  devices = np.moveaxis(np.asarray(mesh.devices), names.index(axis), -1)
-  groups = devices.reshape(-1, devices.shape[-1])
-  this = jax.process_index()
-  remote = [d for d in groups.flat if d.process_index != this]
-  if remote:
-    raise NotImplementedError(f"moe: transport='fused' runs within one process driving its GPUs; mesh axis "
-                              f"{axis!r} holds devices of other processes ({remote[0]} is on process "
-                              f"{remote[0].process_index}); use transport='collective'")
-  return tuple(tuple(int(d.local_hardware_id) for d in g) for g in groups)
-
-
-def _fused_stats(ids: jax.Array, num_experts: int, num_local: int, ranks: int, axis: str) -> EPStats:
-  """The fused transport's `EPStats`: nothing overflows (every route is pulled), invalid ids, and the most routes
-  one rank sends one peer (the collective transports' smallest overflow-free capacity, for comparison)."""
-  valid = (ids >= 0) & (ids < num_experts)
-  dest = jnp.where(valid, ids // num_local, ranks)
-  load = jnp.zeros((ranks + 1,), jnp.int32).at[dest.reshape(-1)].add(1)[:ranks].max()
-  invalid = jax.lax.psum(jnp.sum(ids >= num_experts, dtype=jnp.int32), axis)
-  return EPStats(jnp.int32(0), invalid, jax.lax.pmax(load, axis))
 
 
 def _infer_sharding_from_operands(st: _Static, mesh, arg_shapes, result_shape):
@@ -225,7 +184,7 @@ def _typed_mesh(arrays) -> Any:
 
 
 def _check_args(x, w, ids, weights, local_fn, axis, transport, capacity) -> None:
-  _body.check_common(x, w, ids, weights, local_fn, transport, capacity, fused_ok=True)
+  _body.check_common(x, w, ids, weights, local_fn, transport, capacity)
   if not isinstance(axis, str):
     raise TypeError(f"moe: axis must be a str (one mesh axis), got {type(axis).__name__}")
   mesh = _typed_mesh((x, ids, weights, *_leaves(w)))
