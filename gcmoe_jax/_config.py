@@ -26,8 +26,9 @@ def _kernels(text: str) -> str:
 
 
 def _ablation(text: str) -> str:
-  if text not in ("", "nomath", "nogemm2", "widedecode", "tma", "static", "evenbodies"):
-    raise ValueError("expected nomath, nogemm2, widedecode, tma, static, evenbodies or empty")
+  if text not in ("", "nomath", "nogemm2", "widedecode", "tma", "static", "evenbodies",
+                  "timeline", "nosingle"):
+    raise ValueError("expected nomath, nogemm2, widedecode, tma, static, evenbodies, timeline, nosingle or empty")
   return text
 
 
@@ -53,7 +54,10 @@ VARS = {v.name: v for v in (
                                        "producer of sm_120a on sm_90a too, results exact, for A/B timing; static: "
                                        "role 2's items by round-robin instead of the item queue, results exact, "
                                        "for A/B timing; evenbodies: no pass bodies of 3 and 6 n-tiles, results "
-                                       "exact, for A/B timing); part of the cubin key"),
+                                       "exact, for A/B timing; timeline: %globaltimer stamps per role and role-2 "
+                                       "item after the workspace, results exact, read by python -m gcmoe_jax.bench.timeline; nosingle: "
+                                       "one-row passes as 1-tile passes, results exact, for A/B timing); "
+                                       "part of the cubin key"),
   Var("GCMOE_WAIT_TIMEOUT_MS", int, 2000, "bound of every device spin-wait; expiry becomes a Python exception"),
   Var("GCMOE_SYNC_CHECK", _bool, False, "synchronise after each CUDA call and raise a device fault at once "
                                         "(tests, debugging); otherwise it is raised by the next call"),

@@ -435,6 +435,19 @@ def test_the_static_ablation_builds_the_round_robin(cache, monkeypatch):
   assert "atom.relaxed.gpu.global.add.u32" not in _ptx(meta, 2)
 
 
+@needs_dsl
+@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
+def test_the_timeline_build_stamps_every_role(built, cache, monkeypatch):
+  """GCMOE_ABLATION=timeline (`gcmoe_jax.bench.timeline`) adds %globaltimer reads to roles 1, 2 and 3 (the normal
+  build reads the timer only in its bounded waits), under its own key."""
+  monkeypatch.setenv("GCMOE_ABLATION", "timeline")
+  meta = build.compile_variant("sm_90a", SMALL, cache_dir=cache)
+  assert "+timeline-" in meta["key"]
+  for role in (1, 2, 3):
+    stamps, plain = (_ptx(m, role).count("%globaltimer") for m in (meta, built["sm_90a"]))
+    assert stamps > plain, (role, stamps, plain)
+
+
 def test_an_ablation_build_has_its_own_cubin_key(monkeypatch):
   """GCMOE_ABLATION timing builds (wrong results by design) can never be loaded for a normal run: the ablation is in
   the key; a malformed value is rejected naming the variable."""

@@ -85,6 +85,15 @@ WAIT_PIPE = 0x80000  # role 2's K loop waited for a stage's copies or readers (o
 ROLE_TRANSPORT = 4  # error_role of a fused-transport wait that expired (error_counter: one of the three above)
 SILU_TABLE_ENTRIES = 1 << 16  # float32 silu(g) per BF16 bit pattern (reference.silu_table)
 ALIGN = 256
+# The timeline of a `GCMOE_ABLATION=timeline` build (docs/kernels_v2.md "Timeline"): %globaltimer stamps (u64 ns)
+# after the workspace (``Workspace.total``), one record per call slot ``cur % TL_CALLS``. A slot: TL_HEAD words
+# (role 1 block 0 entry and exit, role 3 block 0 entry and exit, cur), then per role-2 CTA b < TL_CTAS its
+# TL_CTA_WORDS: entry, phase 0 done, expert table done, exit, items taken, 3 spare, then per item i < TL_ITEMS
+# (item, start after the claim, start of its MMAs after any wait, end).
+TL_CALLS, TL_CTAS, TL_ITEMS, TL_HEAD = 16, 512, 48, 16
+TL_CTA_WORDS = 8 + 4 * TL_ITEMS
+TL_CALL_WORDS = TL_HEAD + TL_CTAS * TL_CTA_WORDS
+TIMELINE_BYTES = 8 * TL_CALLS * TL_CALL_WORDS
 
 
 def _align(n: int) -> int:

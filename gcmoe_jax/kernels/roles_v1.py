@@ -66,7 +66,7 @@ import struct
 import cutlass
 from cutlass import Float32, Int32, Int64, Uint16, Uint64, cute
 
-from gcmoe_jax import formats
+from gcmoe_jax import _config, formats
 from gcmoe_jax.kernels import abi
 from gcmoe_jax.kernels.build import Variant
 
@@ -378,6 +378,15 @@ def _st(addr, value, dtype=Int32) -> None:
   cute.arch.store(_gptr(addr, dtype), dtype(value))
 
 
+def _globaltimer() -> Int64:
+  """The GPU's global nanosecond timer (the timeline build only)."""
+  return cute.arch.globaltimer()
+
+
+def _st_u64(addr, value) -> None:
+  cute.arch.inline_ptx("st.global.u64 [{$r0}], {$r1};", write_only_types=[], read_only_args=[Int64(addr), value])
+
+
 def _st_bf16(addr, bits) -> None:
   cute.arch.store(_gptr(addr, Uint16), Uint16(bits))
 
@@ -428,6 +437,14 @@ class RoleKernelsV1:
     self.ws = variant.workspace(self.GENERATION)
     self.k_max = max(variant.hidden, variant.intermediate, variant.shared_intermediate or 0)
     self.i_max = max(variant.intermediate, variant.shared_intermediate or 0)
+    # `GCMOE_ABLATION=timeline`: %globaltimer stamps after the workspace (`abi.TIMELINE_BYTES`), results exact.
+    self.timeline = _config.get("GCMOE_ABLATION") == "timeline"
+
+  @cute.jit
+  def _tl_stamp(self, wsb: Int64, cur: Int32, word: Int32) -> None:
+    """Timeline build: the current %globaltimer into word ``word`` of this call's slot (`abi.TL_CALLS`)."""
+    slot = Int64(wsb) + self.ws.total + Int64(cur % abi.TL_CALLS) * (abi.TL_CALL_WORDS * 8)
+    _st_u64(slot + Int64(word) * 8, _globaltimer())
 
   def dynamic_smem(self, role: int) -> int:
     """Dynamic SMEM bytes of role ``role`` (1-3): v1 uses static SMEM only."""
@@ -484,6 +501,9 @@ class RoleKernelsV1:
     n_assign = cutlass.min(cutlass.max(tokens, 0), v.capacity) * v.top_k
     if bid == 0:
       cur = _ld(wsb + abi.HEADER["epoch"]) + 1
+      if cutlass.const_expr(self.timeline):
+        if tid == 0:
+          self._tl_stamp(wsb, cur, Int32(0))
       stall = _ld(wsb + abi.HEADER["stall_expert"])
       # Ids >= E: the fault record, once (CAS on error_flag); the id is skipped below (it matches no thread).
       for a in range(tid, n_assign, THREADS):
@@ -502,6 +522,10 @@ class RoleKernelsV1:
         if e != stall:
           # Release: count[e] and rows[e] are visible to whoever acquires ready[e] == cur.
           cute.arch.store(_gptr(wsb + ws.ready + Int64(e) * WORD_BYTES), cur, sem="release", scope="gpu")
+      if cutlass.const_expr(self.timeline):
+        cute.arch.sync_threads()
+        if tid == 0:
+          self._tl_stamp(wsb, cur, Int32(1))
 
   # ////////////////////////////////////////////////////////////////////////////////////////////////////////////////
   # Role 2: compute
@@ -736,6 +760,9 @@ class RoleKernelsV1:
     yb = y.toint()
     idb = ids.toint()
     n_tok = cutlass.min(cutlass.max(tokens, 0), v.capacity)
+    if cutlass.const_expr(self.timeline):
+      if (bid == 0) & (tid == 0):
+        self._tl_stamp(wsb, _ld(wsb + abi.HEADER["epoch"]) + 1, Int32(2))
     if cutlass.const_expr(v.ranks > 1):
       self._await_returns(wsb, idb, n_tok, bid)  # the peers' GEMM2 rows of this rank's tokens (fused transport)
     fault = _ld(wsb + abi.HEADER["error_flag"])
@@ -780,6 +807,10 @@ class RoleKernelsV1:
       cute.arch.sync_threads()
       if tid == 0:
         epoch = _ld(wsb + abi.HEADER["epoch"])
+        if cutlass.const_expr(self.timeline):
+          self._tl_stamp(wsb, epoch + 1, Int32(3))
+          slot = wsb + self.ws.total + Int64((epoch + 1) % abi.TL_CALLS) * (abi.TL_CALL_WORDS * 8)
+          _st_u64(slot + 4 * 8, Int64(epoch + 1))
         _st(wsb + abi.HEADER["epoch"], epoch + 1)
         if fault != 0:
           _mirror_fault(wsb)

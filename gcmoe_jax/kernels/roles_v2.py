@@ -107,7 +107,8 @@ CTL_BARS = CTL_SLOT_RW + 4 * 8 * NT_MAX
 # the stage's expected bytes, 4 B each), in SMEM rather than registers live across every thread's MMAs.
 CTL_PROD = CTL_BARS + 16 * MAX_STAGES
 CTL_FAULT = CTL_PROD + 32  # the K128 block of a pipeline wait that timed out this pass, else -1
-assert CTL_FAULT + 4 <= CTRL_BYTES
+CTL_TL = CTL_FAULT + 4  # the timeline build's count of this CTA's recorded items
+assert CTL_TL + 4 <= CTRL_BYTES
 # A stage starts 1024-aligned: TMA's 64-byte swizzle is a function of the SMEM address bits 7-8, so the tile lands
 # in the layout `_weight_words` reads (16 B chunk c of row r at c ^ ((r >> 1) & 3)) only from a 512-aligned base.
 STAGE_ALIGN = 1024
@@ -481,6 +482,11 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # TMA unit with up to 128 small requests per stage. sm_90a takes cp.async (`GCMOE_ABLATION=tma`: the TMA producer,
     # results exact, for A/B timing); sm_120a/sm_121a, unmeasured, the paper's TMA producer (§4.4, §5.1).
     self.tma = self.qmma or self.ablation == "tma"
+    # One-row passes in `_stage`'s plane-column body (sm_90a's int8 path with the split decode; not the TMA
+    # producer, which copies every slot, nor the shared-expert variants, whose 253-255 registers spilled 8 B with
+    # it): `GCMOE_ABLATION=nosingle` builds them as 1-tile passes, for A/B timing.
+    self.single = (self.split_decode and not self.qmma and not self.tma and not v.shared
+                   and self.ablation != "nosingle")
     self.cache = abi.pull_cache(v.top_k, v.ranks)  # rx rows per (rank, token), else per (rank, token, slot)
     self.words = abi.counter_words(v.experts, v.capacity, v.shared, v.ranks, v.relay)
     self.relay_base = abi.relay_counters(v.experts, v.capacity, v.shared)
@@ -707,6 +713,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     grid32 = Int32(grid)
     warp = tid // 32
     lane = tid % 32
+    if cutlass.const_expr(self.timeline):
+      if tid == 0:
+        _sts(ctl + CTL_TL, 0)
+        self._tl_cta(wsb, cur, bid, Int32(0))
 
     # ---- phase 0: MXFP8 of x into digit planes, a warp per (token, K32 block) --------------------------------
     for q in range(bid * WARPS + warp, n_tok * self.nblk_h, grid32 * WARPS):
@@ -725,6 +735,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         v1._st(wsb + ws.pub_tokens + Int64(par) * 4, n_tok)
     cute.arch.sync_threads()
     if tid == 0:
+      if cutlass.const_expr(self.timeline):
+        self._tl_cta(wsb, cur, bid, Int32(1))
       cute.arch.fence_acq_rel_gpu()
       _red_release_add(counters + v.experts * v1.WORD_BYTES, 1)
 
@@ -757,6 +769,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     ok = _lds(ctl)
     n_hit = _lds(ctl + 4)
     cute.arch.sync_threads()
+    if cutlass.const_expr(self.timeline):
+      if tid == 0:
+        self._tl_cta(wsb, cur, bid, Int32(2))
 
     # Items, in an order where every wait is for earlier items (so, with the whole grid resident, no CTA waits on
     # an item a waiting CTA holds): GEMM1 tiles (n1), the shared expert's GEMM1 column blocks (n_s1), GEMM2 tiles
@@ -790,6 +805,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       else:
         item = first
     while item < n_items:
+      if cutlass.const_expr(self.timeline):
+        self._tl_item(wsb, cur, bid, ctl, item, 0)
       if failed == 0:
         it = item  # the routed item (GEMM1 tiles, then GEMM2 tiles)
         routed = item < n1 + n2
@@ -812,6 +829,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
             if _bar_or(ok == 0) != 0:
               failed = Int32(1)
             else:
+              if cutlass.const_expr(self.timeline):
+                self._tl_item(wsb, cur, bid, ctl, item, 1)
               self._item(True, e, j, count, route_weights.toint(), w2.toint(), w2_scale.toint(), wsb, c_bits,
                          cur, ctl, pipe, tmap_w2)
               if cutlass.const_expr(self.relay):  # the copiers follow each expert's GEMM2 items done
@@ -839,12 +858,48 @@ class RoleKernelsV2(v1.RoleKernelsV1):
               t = s // self.n_hb
               failed = self._shared_gemm2(t, s - t * self.n_hb, s2.toint(), s2_scale.toint(), wsb, cur, bid,
                                           token_counters + Int64(t) * v1.WORD_BYTES)
+      if cutlass.const_expr(self.timeline):
+        self._tl_item(wsb, cur, bid, ctl, item, 2)
       # A CTA that failed a wait goes on claiming (and skipping) items, as with the round-robin, so the claims of
       # the others stay in item order.
       if cutlass.const_expr(self.dynamic):
         item = self._claim(counters, ctl)
       else:
         item = item + step
+    if cutlass.const_expr(self.timeline):
+      if tid == 0:
+        self._tl_cta(wsb, cur, bid, Int32(3))
+        if bid < abi.TL_CTAS:
+          slot = wsb + self.ws.total + Int64(cur % abi.TL_CALLS) * (abi.TL_CALL_WORDS * 8)
+          v1._st_u64(slot + Int64(abi.TL_HEAD + bid * abi.TL_CTA_WORDS + 4) * 8, Int64(_lds(ctl + CTL_TL)))
+
+  @cute.jit
+  def _tl_cta(self, wsb: Int64, cur: Int32, bid: Int32, word: Int32) -> None:
+    """Timeline build: a stamp into word ``word`` of this CTA's record (`abi.TL_CTA_WORDS`)."""
+    if bid < abi.TL_CTAS:
+      self._tl_stamp(wsb, cur, abi.TL_HEAD + bid * abi.TL_CTA_WORDS + word)
+
+  @cute.jit
+  def _tl_item(self, wsb: Int64, cur: Int32, bid: Int32, ctl: Int32, item: Int32, phase: cutlass.Constexpr):
+    """Timeline build, thread 0: the item's start (phase 0, also its MMAs' start), the start of its MMAs after a
+    wait (1) or its end (2, which also counts it) in this CTA's next item record."""
+    tid, _, _ = cute.arch.thread_idx()
+    if tid == 0:
+      n = _lds(ctl + CTL_TL)
+      if n < abi.TL_ITEMS:
+        rec = Int32(8) + 4 * n
+        if cutlass.const_expr(phase == 0):
+          if bid < abi.TL_CTAS:
+            slot = wsb + self.ws.total + Int64(cur % abi.TL_CALLS) * (abi.TL_CALL_WORDS * 8)
+            v1._st_u64(slot + Int64(abi.TL_HEAD + bid * abi.TL_CTA_WORDS + rec) * 8, Int64(item))
+          self._tl_cta(wsb, cur, bid, rec + 1)
+          self._tl_cta(wsb, cur, bid, rec + 2)
+        elif cutlass.const_expr(phase == 1):
+          self._tl_cta(wsb, cur, bid, rec + 2)
+        else:
+          self._tl_cta(wsb, cur, bid, rec + 3)
+      if cutlass.const_expr(phase == 2):
+        _sts(ctl + CTL_TL, n + 1)
 
   @cute.jit
   def _claim(self, counters: Int64, ctl: Int32) -> Int32:
@@ -1017,7 +1072,13 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     for n0 in range(0, count, 8 * self.nt_max):
       rem = cutlass.min(count - n0, 8 * self.nt_max)
       if rem <= 8:
-        self._chunk(g2, 1, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap)
+        if cutlass.const_expr(self.single):
+          if rem == 1:
+            self._chunk(g2, 1, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap, True)
+          else:
+            self._chunk(g2, 1, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap)
+        else:
+          self._chunk(g2, 1, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap)
       elif rem <= 16:
         self._chunk(g2, 2, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap)
       else:
@@ -1039,7 +1100,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   @cute.jit
   def _chunk(self, g2: cutlass.Constexpr, nt: cutlass.Constexpr, e: Int32, j: Int32, n0: Int32, count: Int32,
              rwb: Int64, pw: Int64, psc: Int64, wsb: Int64, c_bits: Int32, cur: Int32, ctl: Int32, pipe: Int32,
-             tmap: Int64):
+             tmap: Int64, single: cutlass.Constexpr = False):
+    """One pass of up to 8 ``nt`` rows of the item (``single``: exactly one row, `_stage`'s plane-column body)."""
     v, ws = self.v, self.ws
     tid, _, _ = cute.arch.thread_idx()
     warp, lane, g, t4 = _lanes()
@@ -1111,7 +1173,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
                          ctl, pipe, tmap, rows_fast, acc)
     else:
       self._cpasync_mainloop(nt, n_st, st_bytes, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl, pipe,
-                             rows_fast, acc)
+                             rows_fast, acc, single)
 
     # ---- epilogue ---------------------------------------------------------------------------------------------
     if cutlass.const_expr(g2 and self.fused and not self.relay):
@@ -1390,13 +1452,15 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   def _cpasync_mainloop(self, nt: cutlass.Constexpr, n_st: cutlass.Constexpr, st_bytes: cutlass.Constexpr,
                         pw_e: Int64, psc_e: Int64, row0: Int32, n_rows: cutlass.Constexpr, kb_n: cutlass.Constexpr,
                         nblk: cutlass.Constexpr, planes: Int64, exps: Int64, ctl: Int32, pipe: Int32,
-                        rows_fast: Int32, acc: cute.Tensor):
+                        rows_fast: Int32, acc: cute.Tensor, single: cutlass.Constexpr = False):
     """The K loop of the per-thread producer (sm_90a): every thread issues cp.async copies of the stage kb + n_st - 1
-    and the CTA meets at a barrier per stage."""
+    and the CTA meets at a barrier per stage (``single``: a one-row pass, whose padding slots are never read, so
+    only slot 0's B rows are copied)."""
     slots = 8 * nt
+    n_copy = 1 if cutlass.const_expr(single) else slots
     for s in cutlass.range_constexpr(n_st - 1):
       if s < kb_n:
-        self._issue(s, pipe + s * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl)
+        self._issue(s, pipe + s * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl, n_copy)
       _commit()
     for kb in range(kb_n):
       _wait_group(n_st - 2)
@@ -1404,14 +1468,15 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       nk = kb + n_st - 1
       if nk < kb_n:
         self._issue(nk, pipe + (nk % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps,
-                    ctl)
+                    ctl, n_copy)
       _commit()
-      self._compute(nt, pipe + (kb % n_st) * st_bytes, rows_fast, acc)
+      self._compute(nt, pipe + (kb % n_st) * st_bytes, rows_fast, acc, single)
     _wait_group(0)
     cute.arch.sync_threads()  # the pipeline area is free: the epilogue reuses it
 
   @cute.jit
-  def _compute(self, nt: cutlass.Constexpr, sb: Int32, rows_fast: Int32, acc: cute.Tensor):
+  def _compute(self, nt: cutlass.Constexpr, sb: Int32, rows_fast: Int32, acc: cute.Tensor,
+               single: cutlass.Constexpr = False):
     """The MMAs of the stage at ``sb``: this thread's rows' scale words, then the fast or the slow path."""
     warp, lane, g, t4 = _lanes()
     scw = (_lds(sb + self.w_bytes + (16 * warp + g) * 4), _lds(sb + self.w_bytes + (16 * warp + g + 8) * 4))
@@ -1422,12 +1487,13 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     else:
       byte_ok = (((scw[0] ^ (scw[0] << 1)) & (scw[1] ^ (scw[1] << 1))) & SCALE_BYTE_BITS) == SCALE_BYTE_BITS
       if (rows_fast != 0) & byte_ok:
-        self._stage(True, nt, sb, scw, acc)
+        self._stage(True, nt, sb, scw, acc, single)
       else:
-        self._stage(False, nt, sb, scw, acc)
+        self._stage(False, nt, sb, scw, acc, single)
 
   @cute.jit
-  def _stage(self, fast: cutlass.Constexpr, nt: cutlass.Constexpr, sb: Int32, scw, acc: cute.Tensor):
+  def _stage(self, fast: cutlass.Constexpr, nt: cutlass.Constexpr, sb: Int32, scw, acc: cute.Tensor,
+             single: cutlass.Constexpr = False):
     """The MMAs and the exact epilogue of one K128 stage: ``acc += f32(D_b) * 2**n_b`` for its four K32 blocks.
 
     D = S0 + 2**6 S1 + 2**12 S2 comes out of a chain of three MMAs: S1; T + MAGIC = A B0 + (64 S1 + MAGIC);
@@ -1435,6 +1501,13 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     RN(4096 f32(S2) + f32(T)) is one FMA (= cvt.rn of D). Fast path (``n + 127`` in [1, 226] everywhere, see
     `SCALE_BYTE_BITS`): ``acc = fma(f32(D), 2**n, acc)`` rounds like v1's mul + add because the product is exact
     and normal. Slow path: v1's two-step scaling, NaN blocks and add.
+
+    ``single`` (a pass of one row, the usual one at decode batches: every expert of GLM5.2 at B = 1): the three
+    digit planes of the row go in columns 0-2 of ONE n-tile (lane g reads plane min(g, 2)), so a block takes one
+    split-decode MMA pair instead of three, one B load instead of three, and the epilogue runs on the two rows of a
+    lane with t4 = 0 (S0, S1 in its columns, S2 from lane t4 = 1 by one shuffle per row): the same integers, the
+    same float operations, the same bits, in the accumulators of slot 0 (``acc[0]``, ``acc[2]``); the other lanes'
+    accumulators hold junk, which the epilogues never read (their slots are padding).
     """
     warp, lane, g, t4 = _lanes()
     slots = 8 * nt
@@ -1468,7 +1541,27 @@ class RoleKernelsV2(v1.RoleKernelsV1):
           p = cutlass.select_(xw == abi.NAN_WORD, Int32(v1.F32_QNAN), p)
           acc[4 * i + c] = v1._fadd(acc[4 * i + c], p)
 
-    if cutlass.const_expr(self.split_decode and nt <= SPLIT_DECODE_NT):
+    if cutlass.const_expr(single):
+      for s in cutlass.range_constexpr(v1.SUBS):
+        w4 = (words[2 * s], words[2 * s + 1], words[2 * s] >> 16, words[2 * s + 1] >> 16)
+        a_pos = tuple(_prmt(POS2_LO, POS2_HI, w) for w in w4)
+        a_neg = tuple(_prmt(NEG_LO, NEG_HI, w & 0x7777) for w in w4)
+        b = _lds2(sb + xp_off + s * BLOCK_BYTES + cutlass.min(g, 2) * 32 + 8 * t4)
+        r = _mma_s8(a_neg, b, _mma_s8(a_pos, b, zero4))
+        xw = _lds(sb + xe_off + 4 * s)  # slot 0's exponent word of block s
+        for h in cutlass.range_constexpr(2):  # rows g and g + 8: S0, S1 here, S2 in lane t4 = 1's column 2
+          s2 = _shfl_xor(r[2 * h], 1)
+          tf = v1._fadd(r[2 * h] + r[2 * h + 1] * (1 << abi.DIGIT_BITS) + MAGIC, MAGIC_NEG)
+          sf = v1._fadd(s2 + MAGIC, MAGIC_NEG)
+          df = _fma(sf, F32_4096, tf)
+          wb = (scw[h] >> (8 * s)) & 0xFF
+          if cutlass.const_expr(fast):
+            acc[2 * h] = _fma(df, xw + (wb << v1.F32_MANT_BITS), acc[2 * h])
+          else:
+            p = v1._scale_pow2(df, (xw >> v1.F32_MANT_BITS) + wb - v1.F32_BIAS)
+            p = cutlass.select_(xw == abi.NAN_WORD, Int32(v1.F32_QNAN), p)
+            acc[2 * h] = v1._fadd(acc[2 * h], p)
+    elif cutlass.const_expr(self.split_decode and nt <= SPLIT_DECODE_NT):
       # Narrow passes, where the decode dominates: the split decode, block by block (8 registers), and twice the
       # MMAs (the tensor pipe is ~10 % busy there). Every accumulator still takes its blocks in increasing K.
       for s in cutlass.range_constexpr(v1.SUBS):
@@ -1520,9 +1613,11 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   @cute.jit
   def _issue(self, kb: Int32, sb: Int32, slots: cutlass.Constexpr, pw_e: Int64, psc_e: Int64, row0: Int32,
              n_rows: cutlass.Constexpr, kb_n: cutlass.Constexpr, nblk: cutlass.Constexpr, planes: Int64,
-             exps: Int64, ctl: Int32):
-    """cp.async of K128 block ``kb`` into the stage at ``sb``: weights (swizzled), scales, B planes, exponents."""
+             exps: Int64, ctl: Int32, n_copy: cutlass.Constexpr = -1):
+    """cp.async of K128 block ``kb`` into the stage at ``sb``: weights (swizzled), scales, B planes, exponents (of the
+    first ``n_copy`` slots of the stage's ``slots``; -1: all)."""
     tid, _, _ = cute.arch.thread_idx()
+    n_copy = slots if cutlass.const_expr(n_copy < 0) else n_copy
     for i in cutlass.range_constexpr(W_BYTES // 16 // THREADS):
       c = tid + i * THREADS
       row = c // 4
@@ -1533,7 +1628,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       _cp4(sb + W_BYTES + tid * 4, psc_e + (Int64(row0 + tid) * kb_n + kb) * v1.WORD_BYTES)
     xe_off = W_BYTES + SC_BYTES
     xp_off = xe_off + slots * 16
-    if tid < slots:
+    if tid < n_copy:
       src_row = _lds(ctl + CTL_SLOT_SRC + tid * 4)
       if cutlass.const_expr(self.qmma):
         # One packed UE8M0 word per slot (a padding slot's is never read: its accumulators are dropped).
@@ -1545,7 +1640,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # The B operand, 16 B chunks: every plane of the stage's four blocks, or (sm_120a) plane 0 only, chunks 0 and 1
     # of each block's six.
     per_slot = 8 if self.qmma else 4 * BLOCK_BYTES // 16
-    chunks = slots * per_slot
+    chunks = n_copy * per_slot
     for i in cutlass.range_constexpr((chunks + THREADS - 1) // THREADS):
       c = tid + i * THREADS
       if c < chunks:
