@@ -32,6 +32,15 @@ std::atomic<int64_t> g_live_runtimes{0};
 // device from one call and an expert from another.
 std::atomic<int64_t> g_stall{-1};
 
+// The workspace of the most recently initialised Runtime (debug hook: `gcmoe_debug_read_workspace`).
+struct LastWorkspace {
+  CUcontext ctx = nullptr;
+  CUdeviceptr ptr = 0;
+  int64_t bytes = 0;
+};
+std::mutex g_last_mutex;
+LastWorkspace g_last;
+
 // Faults found by the runtimes of this process. When the process drives several devices (one process, several ranks
 // of an expert-parallel mesh), a rank that stopped at its call while its peers went on into the step's collectives
 // would leave them waiting in XLA's all-to-all for ever. So a fault found at a device's n-th call is reported by the
@@ -510,6 +519,10 @@ std::string Runtime::Build(int64_t tokens, float clamp) {
     GCMOE_CU(cu_.cuGraphAddKernelNode(&node_[r], graph_, deps, r == 2 ? 2 : 0, &p));
   }
   GCMOE_CU(cu_.cuGraphInstantiate(&exec_, graph_, 0));
+  {
+    std::lock_guard<std::mutex> lock(g_last_mutex);
+    g_last = LastWorkspace{primary_, workspace_, s.ws_total};
+  }
   g_graph_instantiations.fetch_add(1);
   g_live_runtimes.fetch_add(1);
   live_ = true;
@@ -523,6 +536,10 @@ Runtime::~Runtime() {
   if (graph_) cu_.cuGraphDestroy(graph_);
   for (CUlibrary lib : library_)
     if (lib) cu_.cuLibraryUnload(lib);
+  {
+    std::lock_guard<std::mutex> lock(g_last_mutex);
+    if (g_last.ptr == workspace_) g_last = LastWorkspace{};
+  }
   if (workspace_ && group_ == nullptr) cu_.cuMemFree(workspace_);  // a group's workspace is the group's
   if (host_header_) cu_.cuMemFreeHost(host_header_);
   if (live_) g_live_runtimes.fetch_sub(1);
@@ -844,3 +861,34 @@ GCMOE_EXPORT int gcmoe_workspace_header_offsets(int64_t* out, int n) {
 // Test hook: role 1 of every later call on device ordinal `device` (-1: every device) never publishes expert `e`
 // (-1: off), so role 2 times out.
 GCMOE_EXPORT void gcmoe_debug_set_stall_expert(int32_t e, int32_t device) { gcmoe::SetStallExpert(e, device); }
+
+// Debug hook: the size of the most recently initialised Runtime's workspace (0: none alive).
+GCMOE_EXPORT int64_t gcmoe_debug_workspace_bytes() {
+  std::lock_guard<std::mutex> lock(gcmoe::g_last_mutex);
+  return gcmoe::g_last.bytes;
+}
+
+// Debug hook (the timeline build, python -m gcmoe_jax.bench.timeline): copies `nbytes` at `offset` of the most recently
+// initialised Runtime's workspace to `out`, after the caller waited for its calls (block_until_ready). Returns 0, or
+// -1 with `error` set (no runtime alive, a range outside the workspace, a driver error).
+GCMOE_EXPORT int gcmoe_debug_read_workspace(int64_t offset, int64_t nbytes, void* out, char* error, int error_len) {
+  auto fail = [&](const std::string& msg) {
+    if (error != nullptr && error_len > 0) std::snprintf(error, static_cast<size_t>(error_len), "%s", msg.c_str());
+    return -1;
+  };
+  std::string err;
+  const gcmoe::CudaDriver* cu = gcmoe::GetCudaDriver(&err);
+  if (cu == nullptr) return fail(err);
+  std::lock_guard<std::mutex> lock(gcmoe::g_last_mutex);
+  const gcmoe::LastWorkspace last = gcmoe::g_last;
+  if (last.ptr == 0) return fail("no CUDA runtime is alive in this process (run a gm.moe call first)");
+  if (offset < 0 || nbytes < 0 || offset + nbytes > last.bytes) {
+    return fail("range [" + std::to_string(offset) + ", " + std::to_string(offset + nbytes) +
+                ") is outside the workspace of " + std::to_string(last.bytes) + " bytes");
+  }
+  gcmoe::ScopedContext current(*cu, last.ctx);
+  if (current.status() != CUDA_SUCCESS) return fail("cuCtxPushCurrent failed");
+  const CUresult r = cu->cuMemcpyDtoH(out, last.ptr + static_cast<CUdeviceptr>(offset), static_cast<size_t>(nbytes));
+  if (r != CUDA_SUCCESS) return fail(gcmoe::CudaErrorMessage(*cu, r, "cuMemcpyDtoH", __FILE__, __LINE__));
+  return 0;
+}

@@ -20,7 +20,7 @@ import numpy as np
 from gcmoe_jax import _config, geometry, reference
 from gcmoe_jax._support import Support
 from gcmoe_jax.ffi import _library
-from gcmoe_jax.kernels import build
+from gcmoe_jax.kernels import abi, build
 
 # Token capacities the variants are built for: decode batches up to 256 tokens per rank (the paper's range).
 CAPACITIES = (8, 16, 32, 64, 256)
@@ -132,6 +132,12 @@ def register_raw(key: str, config: tuple[int, ...], launch: tuple[int, ...], cub
     raise RuntimeError(f"gcmoe_jax: registering kernel variant {key} failed: {error.value.decode()}")
 
 
+def workspace_bytes(ws: abi.Workspace) -> int:
+  """Bytes the runtime allocates for a workspace: its sections, and with ``GCMOE_ABLATION=timeline`` the timeline
+  the kernels stamp after them (`abi.TIMELINE_BYTES`, read by `debug_read_workspace`)."""
+  return ws.total + (abi.TIMELINE_BYTES if _config.get("GCMOE_ABLATION") == "timeline" else 0)
+
+
 @functools.lru_cache(maxsize=None)
 def _register(arch: str, variant: build.Variant, dispatch_sms: int, compute_sms: int, timeout_ns: int,
               peer_devices: tuple[int, ...] = (), role1_grid: int = 0) -> str:
@@ -144,7 +150,7 @@ def _register(arch: str, variant: build.Variant, dispatch_sms: int, compute_sms:
   built = build.load_or_build(arch, variant)
   ws = variant.workspace()
   key = f"{build.cache_key(arch, variant)}:d{dispatch_sms}:c{compute_sms}:t{timeout_ns}"
-  config = (variant.capacity, dispatch_sms, timeout_ns, ws.total, ws.silu_table, compute_sms)
+  config = (variant.capacity, dispatch_sms, timeout_ns, workspace_bytes(ws), ws.silu_table, compute_sms)
   launch = tuple(v for r in (1, 2, 3) for v in built.launch(r, compute_sms))
   if variant.ranks > 1:
     # The fused transport: R and the CUDA ordinals of every peer group, group-major; role 1 takes one CTA per
@@ -217,6 +223,32 @@ def debug_set_stall_expert(expert: int, device: int | None = None) -> None:
   """
   lib = _library.library()
   lib.gcmoe_debug_set_stall_expert(ctypes.c_int32(expert), ctypes.c_int32(-1 if device is None else device))
+
+
+def debug_read_workspace(offset: int | None = None, nbytes: int | None = None) -> bytes:
+  """Debug hook: bytes of the workspace of the most recently created CUDA runtime in this process (the timeline
+  build reads its stamps with it: `gcmoe_jax.bench.timeline`). Wait for the calls first (``block_until_ready``).
+
+  ``offset`` None: the whole workspace; ``nbytes`` None: up to its end.
+
+  Raises:
+    RuntimeError: no runtime alive, a range outside the workspace, or a driver error (the message says which).
+  """
+  lib = _library.library()
+  if lib is None:
+    raise RuntimeError(f"gcmoe_jax FFI: {_library.library_info().error}")
+  lib.gcmoe_debug_workspace_bytes.restype = ctypes.c_int64
+  total = int(lib.gcmoe_debug_workspace_bytes())
+  offset = 0 if offset is None else int(offset)
+  nbytes = total - offset if nbytes is None else int(nbytes)
+  out = ctypes.create_string_buffer(max(nbytes, 1))
+  error = ctypes.create_string_buffer(1024)
+  fn = lib.gcmoe_debug_read_workspace
+  fn.restype = ctypes.c_int
+  fn.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+  if fn(offset, nbytes, out, error, len(error)) != 0:
+    raise RuntimeError(f"gcmoe_jax: reading the workspace failed: {error.value.decode()}")
+  return out.raw[:nbytes]
 
 
 def debug_peer_probe(ranks: int, dispatch_sms: int, compute_sms: int, cubin: bytes, *, device: int = 0,

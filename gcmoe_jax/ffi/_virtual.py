@@ -102,7 +102,7 @@ class VirtualRanks:
     key = f"{build.cache_key(arch, self.variant)}:vr:d{d}:c{c}:t{timeout_ns}"
     # Role 1 takes one CTA per dispatch SM (its copies spread over the partition); roles 2 and 3 as on one rank.
     launch = (d, *built.launch(1)[1:], *built.launch(2, c), *built.launch(3, c))
-    _cuda.register_raw(key, (capacity, d, timeout_ns, ws.total, ws.silu_table, 0), launch,
+    _cuda.register_raw(key, (capacity, d, timeout_ns, _cuda.workspace_bytes(ws), ws.silu_table, 0), launch,
                        [built.cubin(r) for r in (1, 2, 3)], reference.silu_table(), built.tensormap_fields())
     self.ranks, self.tokens, self.hidden, self.top_k = ranks, tokens, w.hidden, top_k
     sl = lambda a, r: a[r * local:(r + 1) * local]

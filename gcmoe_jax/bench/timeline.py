@@ -1,0 +1,161 @@
+"""Where a call's time goes: the %globaltimer timeline of a ``GCMOE_ABLATION=timeline`` build (issue 6).
+
+    GCMOE_ABLATION=timeline python -m gcmoe_jax.bench.timeline --model glm5.2 --batch 1,8,64
+
+The timeline build (results exact) stamps, for each call, role 1's and role 3's block 0 entry and exit and, for
+every role-2 CTA, its entry, the end of phase 0 (x quantized), the end of the expert table (every expert
+published), its exit, and per item the claim, the start of its MMAs (after a GEMM2 item's wait for its expert's
+GEMM1 tiles) and its end (`kernels.abi` ``TL_*``), into a region after the workspace. This runs the bench's chain
+(``--chain`` layers in one jitted program, alternating weight copies, fresh routes per layer) once more after
+warming up, reads the last call slots back (`ffi._cuda.debug_read_workspace`) and prints, per layer, the phases
+in microseconds from the layer's first stamp, and the role-2 item statistics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+
+from gcmoe_jax.kernels import abi
+
+__all__ = ["LayerTimeline", "parse_slot", "summarize", "to_markdown"]
+
+
+@dataclasses.dataclass
+class LayerTimeline:
+  """One call's phases (us from its first stamp) and role 2's item statistics."""
+
+  cur: int
+  role1: tuple[float, float]  # entry, exit (block 0)
+  role2_entry: tuple[float, float]  # first and last CTA entry
+  phase0: float  # the last CTA's end of phase 0
+  table: float  # the last CTA's expert table (every expert published)
+  gemm1: tuple[float, float]  # first GEMM1 item start, last GEMM1 item end
+  gemm2: tuple[float, float]  # first GEMM2 MMA start, last GEMM2 item end
+  role2_exit: float  # the last CTA's exit
+  role3: tuple[float, float]  # entry, exit (block 0)
+  ctas: int
+  items: int
+  gemm1_us: tuple[float, float]  # median, max duration of a GEMM1 item
+  gemm2_us: tuple[float, float]  # median, max duration of a GEMM2 item's MMAs (after its wait)
+  gemm2_wait_us: float  # the sum over GEMM2 items of the wait for their expert's GEMM1 tiles
+  busy: float  # role 2's item time over (CTAs x (last exit - last table)), the share of the grid kept working
+  start_ns: int = 0  # the first stamp (ns), to measure the gaps between calls
+
+
+def parse_slot(words: np.ndarray) -> dict[str, np.ndarray]:
+  """One call slot (`abi.TL_CALL_WORDS` uint64) as arrays: ``head`` [TL_HEAD], ``cta`` [TL_CTAS, 8] and
+  ``item`` [TL_CTAS, TL_ITEMS, 4] (item, start, MMA start, end), ``used`` [TL_CTAS] (CTAs that stamped)."""
+  words = np.asarray(words, np.uint64)
+  if words.shape != (abi.TL_CALL_WORDS,):
+    raise ValueError(f"timeline: a call slot has {abi.TL_CALL_WORDS} words, got shape {words.shape}")
+  head = words[:abi.TL_HEAD]
+  per = words[abi.TL_HEAD:].reshape(abi.TL_CTAS, abi.TL_CTA_WORDS)
+  return dict(head=head, cta=per[:, :8], item=per[:, 8:].reshape(abi.TL_CTAS, abi.TL_ITEMS, 4),
+              used=per[:, 0] != 0)
+
+
+def summarize(words: np.ndarray, gemm1_items: int) -> LayerTimeline:
+  """The phases of one call slot; ``gemm1_items``: the call's GEMM1 item count (experts hit x 2I/128), the items
+  at and after it are GEMM2 items (routed-only variants)."""
+  s = parse_slot(words)
+  head, cta, used = s["head"].astype(np.int64), s["cta"].astype(np.int64), s["used"]
+  if not used.any() or head[0] == 0:
+    raise ValueError("timeline: the slot holds no stamps (was the build GCMOE_ABLATION=timeline?)")
+  c = cta[used]
+  t0 = int(min(head[0], c[:, 0].min()))
+  us = lambda t: (np.asarray(t, np.float64) - t0) / 1e3
+  n = np.minimum(c[:, 4], abi.TL_ITEMS)
+  items = s["item"][used].astype(np.int64)
+  rec = np.concatenate([items[i, :n[i]] for i in range(len(c))]) if n.sum() else np.zeros((0, 4), np.int64)
+  g1 = rec[rec[:, 0] < gemm1_items]
+  g2 = rec[rec[:, 0] >= gemm1_items]
+  dur = lambda r, a, b: (r[:, b] - r[:, a]) / 1e3
+  stat = lambda d: (float(np.median(d)), float(d.max())) if d.size else (0.0, 0.0)
+  last_table = c[:, 2].max()
+  span = (c[:, 3].max() - last_table) * len(c)
+  return LayerTimeline(
+    cur=int(head[4]), role1=(float(us(head[0])), float(us(head[1]))),
+    role2_entry=(float(us(c[:, 0].min())), float(us(c[:, 0].max()))), phase0=float(us(c[:, 1].max())),
+    table=float(us(last_table)),
+    gemm1=(float(us(g1[:, 1].min())), float(us(g1[:, 3].max()))) if g1.size else (0.0, 0.0),
+    gemm2=(float(us(g2[:, 2].min())), float(us(g2[:, 3].max()))) if g2.size else (0.0, 0.0),
+    role2_exit=float(us(c[:, 3].max())), role3=(float(us(head[2])), float(us(head[3]))), ctas=int(len(c)),
+    items=int(c[:, 4].sum()), gemm1_us=stat(dur(g1, 1, 3)), gemm2_us=stat(dur(g2, 2, 3)),
+    gemm2_wait_us=float(dur(g2, 1, 2).sum()) if g2.size else 0.0,
+    busy=float((rec[:, 3] - rec[:, 1]).sum() / span) if span > 0 and rec.size else 0.0, start_ns=t0)
+
+
+def to_markdown(rows: Sequence[tuple[int, int, LayerTimeline]]) -> str:
+  """A table of ``(batch, layer, timeline)`` rows; the gap is from the previous layer's role 3 exit."""
+  out = ["| B | layer | gap | role 1 | role 2 entries | phase 0 | table | GEMM1 | GEMM2 | role 2 exit | role 3 | "
+         "CTAs | items | GEMM1 item med/max | GEMM2 item med/max | GEMM2 waits (sum) | busy |",
+         "| --- " * 17 + "|"]
+  prev = {}
+  for b, layer, t in rows:
+    gap = "" if b not in prev else f"{(t.start_ns - prev[b]) / 1e3:.1f}"
+    prev[b] = t.start_ns + int(t.role3[1] * 1e3)
+    f = lambda p: f"{p[0]:.1f}-{p[1]:.1f}"
+    out.append(f"| {b} | {layer} | {gap} | {f(t.role1)} | {f(t.role2_entry)} | {t.phase0:.1f} | {t.table:.1f} | "
+               f"{f(t.gemm1)} | {f(t.gemm2)} | {t.role2_exit:.1f} | {f(t.role3)} | {t.ctas} | {t.items} | "
+               f"{t.gemm1_us[0]:.1f}/{t.gemm1_us[1]:.1f} | {t.gemm2_us[0]:.1f}/{t.gemm2_us[1]:.1f} | "
+               f"{t.gemm2_wait_us:.0f} | {100 * t.busy:.0f} % |")
+  return "\n".join(out)
+
+
+def _run(model: str, batches: Sequence[int], chain: int, shared: bool,
+         save: str | None = None) -> list[tuple[int, int, LayerTimeline]]:
+  import jax  # noqa: PLC0415 - the parser above needs no jax
+
+  from gcmoe_jax.bench import sweep  # noqa: PLC0415
+  from gcmoe_jax.ffi import _cuda  # noqa: PLC0415
+
+  shape = sweep.model_shape(model, shared=shared)
+  p = sweep._Problem(shape, 0)  # noqa: SLF001 - the bench's weights and routes, not a copy of them
+  rows, raw_slots = [], {}
+  for b in batches:
+    x, ids, rw, _, _ = p.inputs(b, chain)
+    fn, args = sweep._impl_call("gcmoe:cuda", p, x, ids, rw)  # noqa: SLF001
+    for _ in range(3):
+      jax.block_until_ready(fn(*args))
+    raw = np.frombuffer(_cuda.debug_read_workspace(), np.uint64)
+    slots = raw[-abi.TIMELINE_BYTES // 8:].reshape(abi.TL_CALLS, abi.TL_CALL_WORDS)
+    order = np.argsort(slots[:, 4].astype(np.int64))[-chain:]  # the last call's layers, in order
+    ids_np = np.asarray(ids)
+    raw_slots[f"slots_b{b}"], raw_slots[f"ids_b{b}"] = slots[order], ids_np
+    for layer, si in enumerate(order):
+      hit = np.unique(ids_np[layer][ids_np[layer] >= 0]).size
+      rows.append((b, layer, summarize(slots[si], hit * (2 * shape.intermediate // 128))))
+  if save:
+    np.savez_compressed(save, **raw_slots)
+  return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  ap = argparse.ArgumentParser(prog="python -m gcmoe_jax.bench.timeline", description=__doc__.splitlines()[0])
+  ap.add_argument("--model", default="glm5.2")
+  ap.add_argument("--batch", default="1,8,64")
+  ap.add_argument("--chain", type=int, default=8)
+  ap.add_argument("--shared", action="store_true")
+  ap.add_argument("--save", help="also write the raw call slots and routes per batch to this .npz")
+  a = ap.parse_args(argv)
+  if not 1 <= a.chain <= abi.TL_CALLS:
+    ap.error(f"--chain must be in [1, {abi.TL_CALLS}] (the timeline's call slots), got {a.chain}")
+  if os.environ.get("GCMOE_ABLATION") != "timeline":
+    print("timeline: set GCMOE_ABLATION=timeline (the stamping build of the kernels)", file=sys.stderr)
+    return 2
+  if a.shared:
+    print("timeline: note: item kinds are split at the routed GEMM1 count (shared-expert items not separated)",
+          file=sys.stderr)
+  rows = _run(a.model, [int(v) for v in a.batch.split(",")], a.chain, a.shared, a.save)
+  print(to_markdown(rows))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

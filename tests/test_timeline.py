@@ -1,0 +1,55 @@
+"""The timeline build's reader (`gcmoe_jax.bench.timeline`) on synthetic stamps: the layout of `kernels.abi`'s
+``TL_*`` words and the phases computed from them (the stamps themselves come from the GPU)."""
+
+import numpy as np
+import pytest
+
+from gcmoe_jax.bench import timeline
+from gcmoe_jax.kernels import abi
+
+
+def _slot(rng):
+  w = np.zeros(abi.TL_CALL_WORDS, np.uint64)
+  t0 = 10**12 + int(rng.integers(0, 10**6))
+  w[:5] = [t0, t0 + 3000, t0 + 90_000, t0 + 95_000, 7]  # role 1 entry/exit, role 3 entry/exit, cur
+  items = {0: [(0, 10_000, 10_000, 40_000), (3, 40_500, 41_000, 60_000)],  # GEMM1 item 0, GEMM2 item 3
+           1: [(1, 11_000, 11_000, 42_000), (2, 42_100, 42_100, 70_000), (4, 70_200, 75_000, 85_000)]}
+  for b, rec in items.items():
+    base = abi.TL_HEAD + b * abi.TL_CTA_WORDS
+    w[base:base + 5] = [t0 + 500 + b, t0 + 5000 + b, t0 + 9000 + 100 * b, t0 + 86_000 + b, len(rec)]
+    for i, (item, start, mma, end) in enumerate(rec):
+      w[base + 8 + 4 * i:base + 12 + 4 * i] = [item, t0 + start, t0 + mma, t0 + end]
+  return w, t0
+
+
+def test_summarize_reads_the_phases_and_items():
+  w, t0 = _slot(np.random.default_rng(0))
+  t = timeline.summarize(w, gemm1_items=3)  # items 0-2 GEMM1, 3-4 GEMM2
+  assert t.cur == 7 and t.ctas == 2 and t.items == 5 and t.start_ns == t0
+  assert t.role1 == (0.0, 3.0) and t.role3 == (90.0, 95.0)
+  assert t.role2_entry == (0.5, 0.501) and t.phase0 == pytest.approx(5.001) and t.table == pytest.approx(9.1)
+  assert t.gemm1 == (10.0, 70.0) and t.gemm2 == (41.0, 85.0)
+  assert t.gemm1_us == pytest.approx((30.0, 31.0))  # GEMM1 items of 30, 31 and 27.9 us
+  assert t.gemm2_us == pytest.approx((14.5, 19.0))  # GEMM2 MMAs of 19 and 10 us, after waits of 0.5 and 4.8
+  assert t.gemm2_wait_us == pytest.approx(0.5 + 4.8)
+  busy = (30.0 + 19.5 + 31.0 + 27.9 + 14.8) / (2 * (86.001 - 9.1))
+  assert t.busy == pytest.approx(busy, rel=1e-6)
+  assert "| 1 | 0 |" in timeline.to_markdown([(1, 0, t)])
+
+
+def test_summarize_rejects_an_empty_slot_and_a_bad_shape():
+  with pytest.raises(ValueError, match="no stamps"):
+    timeline.summarize(np.zeros(abi.TL_CALL_WORDS, np.uint64), 1)
+  with pytest.raises(ValueError, match="words"):
+    timeline.parse_slot(np.zeros(3, np.uint64))
+
+
+def test_the_timeline_follows_the_workspace_in_the_runtime_allocation(monkeypatch):
+  from gcmoe_jax.ffi import _cuda
+  from gcmoe_jax.kernels.build import Variant
+
+  ws = Variant(512, 256, 8, 4, 8).workspace()
+  monkeypatch.setenv("GCMOE_ABLATION", "")
+  assert _cuda.workspace_bytes(ws) == ws.total
+  monkeypatch.setenv("GCMOE_ABLATION", "timeline")
+  assert _cuda.workspace_bytes(ws) == ws.total + abi.TIMELINE_BYTES
