@@ -7,7 +7,7 @@ only, XLA:CPU does not implement ``ragged_all_to_all``). ``transport="fused"`` r
 ep_axis="ep", transport="fused")`` on the sharded global arrays under `jax.jit` instead (the in-kernel transport
 needs the mesh's devices; CUDA only), so fused and collective compare on the same shapes in one run.
 
-Timing is `sweep`'s: one jitted program chains ``chain`` layers (each layer's output is the next one's tokens,
+Timing is `sweep`'s: one jitted program chains ``chain`` layers (a residual stream: x + layer(x) is the next one's tokens,
 fresh routes per layer, two alternating weight copies), the median over ``iters`` runs of program time / chain.
 One process drives every device, so a program ends with its slowest rank: the latency is the maximum over ranks.
 
@@ -138,15 +138,15 @@ def program(shape: sweep.BenchShape, ranks: int, batch: int, impl: str, transpor
     def fused(x, q, copies, ids, rw):
       del q
       for n in range(chain):
-        x = api.moe(x, copies[n % 2], api.Routes(ids[n], rw[n]), clamp=shape.clamp, backend=backend, ep_axis="ep",
-                    transport="fused")
+        x = x + api.moe(x, copies[n % 2], api.Routes(ids[n], rw[n]), clamp=shape.clamp, backend=backend,
+                        ep_axis="ep", transport="fused")  # a residual stream, as `sweep`'s chain
       return x
 
     return jax.jit(fused), args
 
   def body(x, q, copies, ids, rw):
     for n in range(chain):
-      x = layer(x, q, copies[n % 2], ids[n], rw[n])
+      x = x + layer(x, q, copies[n % 2], ids[n], rw[n])  # a residual stream, as `sweep`'s chain
     return x
 
   qspec = sharding.expert_specs(q)

@@ -7,8 +7,8 @@ One run times, on the default device, for every batch B in the sweep:
 * ``emulated``      `reference.moe_emulated` under `jax.jit` (the oracle; slow by design);
 * ``gcmoe:<b>``     `gcmoe_jax.moe(..., backend=b)` for every backend `gcmoe_jax.explain` reports available.
 
-Timing, as a decode step runs layers: one jitted program chains ``chain`` layers (each layer's output is the next
-one's input), every layer with its own routes and alternating between two copies of the weights, so no layer finds
+Timing, as a decode step runs layers: one jitted program chains ``chain`` layers on a residual stream (layer n's
+input is x_{n-1} + layer(x_{n-1}), one BF16 add per layer for every implementation), every layer with its own routes and alternating between two copies of the weights, so no layer finds
 its weights in L2 and no input repeats. The program is compiled and run ``warmup`` times, then ``iters`` times;
 the latency of a point is the median over those runs of (program time / ``chain``), each run ended by
 `block_until_ready` (the only host synchronisation in the timed region; inputs live on the device beforehand).
@@ -298,13 +298,15 @@ def _layer(impl: str, clamp: float | None) -> Callable:
 
 def _impl_call(impl: str, p: _Problem, x: jax.Array, ids: jax.Array, rw: jax.Array) -> tuple[Callable, tuple]:
   """The jitted chain of ``impl`` over the layers' routes ``ids``/``rw`` ``[chain, B, k]``, and its arguments
-  (weights are arguments, never baked-in constants): layer n reads weight copy n % 2 and the output of layer n - 1."""
+  (weights are arguments, never baked-in constants): layer n reads weight copy n % 2 and x_n = x_{n-1} + y_{n-1}."""
   layer = _layer(impl, p.shape.clamp)
   chain = int(ids.shape[0])
 
   def run(x, sets, ids, rw):
     for n in range(chain):
-      x = layer(x, sets[n % 2], ids[n], rw[n])
+      # A residual stream, as in a decoder: without it the activations shrink ~10x per layer and quadratically (the
+      # SwiGLU of small inputs), and by layer 4 they are ~1e-19 and then zero, off every kernel's common path.
+      x = x + layer(x, sets[n % 2], ids[n], rw[n])
     return x
 
   sets = p.bf16_sets if impl in BASELINES else p.quantized_sets
