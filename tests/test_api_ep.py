@@ -280,6 +280,7 @@ def test_fused_inside_shard_map_is_one_fused_call_per_rank_with_the_meshs_peer_g
   # Each rank's call got its own B tokens' ids with the invalid one masked to padding (once per dp replica).
   masked = np.where(ids >= SHAPE.experts, -1, ids)
   want_ids = sorted([masked[p * b:(p + 1) * b].tobytes() for p in range(R)] * (mesh.size // R))
+  jax.effects_barrier()  # jax.debug.callback runs asynchronously: every rank's callback has run only after this
   assert sorted(a.astype(np.int32).tobytes() for a in received) == want_ids, received
   np.testing.assert_array_equal(np.asarray(y, np.float32)[:, 0], _fake_expected(ids))
   valid = (ids >= 0) & (ids < SHAPE.experts)
