@@ -18,6 +18,7 @@ __all__ = [
   "JAXLIB_VERSION",
   "JAX_VERSION",
   "ambient_concrete_mesh",
+  "distributed_client",
   "check_ffi_api",
   "ffi_result_like",
   "runtime_ffi_api",
@@ -110,3 +111,11 @@ def ambient_concrete_mesh() -> jax.sharding.Mesh | None:
     if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty:
       return mesh
   return None
+
+
+def distributed_client() -> Any:
+  """The `jax.distributed` key-value client, or None in a single-process job (``jax._src.distributed``: the store
+  has no public API; jax 0.10.2 through 0.12 share this one)."""
+  from jax._src import distributed
+
+  return distributed.global_state.client

@@ -12,18 +12,13 @@ import threading
 
 import jax
 
+from gcmoe_jax import _compat
+
 __all__ = ["exchange"]
 
 _PREFIX = "gcmoe_jax/peers"
 _used: set[str] = set()
 _lock = threading.Lock()
-
-
-def _client():
-  """The `jax.distributed` client, or None in a single-process job."""
-  from jax._src import distributed  # the key-value store has no public API (jax 0.10-0.12 share this one)
-
-  return distributed.global_state.client
 
 
 def exchange(name: str, payload: bytes, *, timeout_ms: int = 60_000) -> list[bytes]:
@@ -50,7 +45,7 @@ def exchange(name: str, payload: bytes, *, timeout_ms: int = 60_000) -> list[byt
   n, me = jax.process_count(), jax.process_index()
   if n == 1:
     return [bytes(payload)]
-  client = _client()
+  client = _compat.distributed_client()
   if client is None:
     raise RuntimeError(f"exchange: {n} processes but no jax.distributed client (call jax.distributed.initialize)")
   client.key_value_set_bytes(f"{_PREFIX}/{name}/{me}", bytes(payload))
