@@ -55,8 +55,9 @@ VARS = {v.name: v for v in (
                                        "role 2's items by round-robin instead of the item queue, results exact, "
                                        "for A/B timing; evenbodies: no pass bodies of 3 and 6 n-tiles, results "
                                        "exact, for A/B timing; timeline: %globaltimer stamps per role and role-2 "
-                                       "item after the workspace, results exact, read by python -m gcmoe_jax.bench.timeline; nosingle: "
-                                       "one-row passes as 1-tile passes, results exact, for A/B timing); "
+                                       "item after the workspace, results exact, read by python -m "
+                                       "gcmoe_jax.bench.timeline; nosingle: one-row passes as 1-tile passes, "
+                                       "results exact, for A/B timing); "
                                        "part of the cubin key"),
   Var("GCMOE_WAIT_TIMEOUT_MS", int, 2000, "bound of every device spin-wait; expiry becomes a Python exception"),
   Var("GCMOE_SYNC_CHECK", _bool, False, "synchronise after each CUDA call and raise a device fault at once "

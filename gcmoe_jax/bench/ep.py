@@ -7,8 +7,9 @@ only, XLA:CPU does not implement ``ragged_all_to_all``). ``transport="fused"`` r
 ep_axis="ep", transport="fused")`` on the sharded global arrays under `jax.jit` instead (the in-kernel transport
 needs the mesh's devices; CUDA only), so fused and collective compare on the same shapes in one run.
 
-Timing is `sweep`'s: one jitted program chains ``chain`` layers (a residual stream: x + layer(x) is the next one's tokens,
-fresh routes per layer, two alternating weight copies), the median over ``iters`` runs of program time / chain.
+Timing is `sweep`'s: one jitted program chains ``chain`` layers (a residual stream: x + layer(x) is the next one's
+tokens, fresh routes per layer, two alternating weight copies), the median over ``iters`` runs of program time /
+chain.
 One process drives every device, so a program ends with its slowest rank: the latency is the maximum over ranks.
 
 The floor of a point is the weight-streaming time of its busiest rank: per layer, the most distinct local experts

@@ -8,8 +8,9 @@ One run times, on the default device, for every batch B in the sweep:
 * ``gcmoe:<b>``     `gcmoe_jax.moe(..., backend=b)` for every backend `gcmoe_jax.explain` reports available.
 
 Timing, as a decode step runs layers: one jitted program chains ``chain`` layers on a residual stream (layer n's
-input is x_{n-1} + layer(x_{n-1}), one BF16 add per layer for every implementation), every layer with its own routes and alternating between two copies of the weights, so no layer finds
-its weights in L2 and no input repeats. The program is compiled and run ``warmup`` times, then ``iters`` times;
+input is x_{n-1} + layer(x_{n-1}), one BF16 add per layer for every implementation), every layer with its own
+routes and alternating between two copies of the weights, so no layer finds its weights in L2 and no input
+repeats. The program is compiled and run ``warmup`` times, then ``iters`` times;
 the latency of a point is the median over those runs of (program time / ``chain``), each run ended by
 `block_until_ready` (the only host synchronisation in the timed region; inputs live on the device beforehand).
 
