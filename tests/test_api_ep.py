@@ -44,6 +44,23 @@ def test_axis_name_inside_shard_map_equals_the_oracle(problem, backend):
   np.testing.assert_array_equal(np.asarray(y).view(np.uint16), want)
 
 
+def test_body_with_stats_takes_the_pytree_and_passes_check_vma(problem):
+  """docs/expert_parallel.md's entry point 1 as written: the `ExpertWeights` pytree through ``in_specs``,
+  `jax.shard_map`'s default ``check_vma=True``, the stats replicated (``out_specs=P()``)."""
+  x, w, r, want = problem
+  mesh = _mesh()
+
+  def step(x, w, ids, weights):
+    return sharding.moe_shard_map_body_with_stats(x, w, ids, weights, axis_name="ep",
+                                                  local_fn=reference.moe_emulated, clamp=10.0)
+
+  specs = (P("ep"), sharding.expert_specs(w), P("ep"), P("ep"))
+  f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=specs, out_specs=(P("ep"), P())))
+  y, stats = f(*_placed(mesh, x, w, r))
+  np.testing.assert_array_equal(np.asarray(y).view(np.uint16), want)
+  assert int(stats.overflow) == 0 and int(stats.invalid) == 0 and int(stats.max_load) >= 1
+
+
 def _placed(mesh, x, w, r):
   """Tokens and routes split over ``ep``; routed experts split, the shared expert replicated."""
   tokens = NamedSharding(mesh, P("ep"))
