@@ -123,8 +123,9 @@ def _run(model: str, batches: Sequence[int], chain: int, shared: bool,
     fn, args = sweep._impl_call("gcmoe:cuda", p, x, ids, rw)  # noqa: SLF001
     for _ in range(3):
       jax.block_until_ready(fn(*args))
-    raw = np.frombuffer(_cuda.debug_read_workspace(), np.uint64)
-    slots = raw[-abi.TIMELINE_BYTES // 8:].reshape(abi.TL_CALLS, abi.TL_CALL_WORDS)
+    # The timeline region only: it follows the workspace's sections (`ffi._cuda.workspace_bytes`).
+    raw = np.frombuffer(_cuda.debug_read_workspace(-abi.TIMELINE_BYTES), np.uint64)
+    slots = raw.reshape(abi.TL_CALLS, abi.TL_CALL_WORDS)
     order = np.argsort(slots[:, 4].astype(np.int64))[-chain:]  # the last call's layers, in order
     ids_np = np.asarray(ids)
     raw_slots[f"slots_b{b}"], raw_slots[f"ids_b{b}"] = slots[order], ids_np

@@ -229,7 +229,8 @@ def debug_read_workspace(offset: int | None = None, nbytes: int | None = None) -
   """Debug hook: bytes of the workspace of the most recently created CUDA runtime in this process (the timeline
   build reads its stamps with it: `gcmoe_jax.bench.timeline`). Wait for the calls first (``block_until_ready``).
 
-  ``offset`` None: the whole workspace; ``nbytes`` None: up to its end.
+  ``offset`` None: the whole workspace; negative: counted from its end (the timeline: ``-abi.TIMELINE_BYTES``);
+  ``nbytes`` None: up to its end.
 
   Raises:
     RuntimeError: no runtime alive, a range outside the workspace, or a driver error (the message says which).
@@ -239,7 +240,7 @@ def debug_read_workspace(offset: int | None = None, nbytes: int | None = None) -
     raise RuntimeError(f"gcmoe_jax FFI: {_library.library_info().error}")
   lib.gcmoe_debug_workspace_bytes.restype = ctypes.c_int64
   total = int(lib.gcmoe_debug_workspace_bytes())
-  offset = 0 if offset is None else int(offset)
+  offset = 0 if offset is None else int(offset) + (total if offset < 0 else 0)
   nbytes = total - offset if nbytes is None else int(nbytes)
   out = ctypes.create_string_buffer(max(nbytes, 1))
   error = ctypes.create_string_buffer(1024)

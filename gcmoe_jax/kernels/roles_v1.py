@@ -378,11 +378,6 @@ def _st(addr, value, dtype=Int32) -> None:
   cute.arch.store(_gptr(addr, dtype), dtype(value))
 
 
-def _globaltimer() -> Int64:
-  """The GPU's global nanosecond timer (the timeline build only)."""
-  return cute.arch.globaltimer()
-
-
 def _st_u64(addr, value) -> None:
   cute.arch.inline_ptx("st.global.u64 [{$r0}], {$r1};", write_only_types=[], read_only_args=[Int64(addr), value])
 
@@ -441,10 +436,15 @@ class RoleKernelsV1:
     self.timeline = _config.get("GCMOE_ABLATION") == "timeline"
 
   @cute.jit
-  def _tl_stamp(self, wsb: Int64, cur: Int32, word: Int32) -> None:
-    """Timeline build: the current %globaltimer into word ``word`` of this call's slot (`abi.TL_CALLS`)."""
+  def _tl_put(self, wsb: Int64, cur: Int32, word: Int32, value: Int64) -> None:
+    """Timeline build: ``value`` into word ``word`` of this call's slot (`abi.TL_CALLS`) after the workspace."""
     slot = Int64(wsb) + self.ws.total + Int64(cur % abi.TL_CALLS) * (abi.TL_CALL_WORDS * 8)
-    _st_u64(slot + Int64(word) * 8, _globaltimer())
+    _st_u64(slot + Int64(word) * 8, value)
+
+  @cute.jit
+  def _tl_stamp(self, wsb: Int64, cur: Int32, word: Int32) -> None:
+    """Timeline build: the current %globaltimer into word ``word`` of this call's slot."""
+    self._tl_put(wsb, cur, word, cute.arch.globaltimer())
 
   def dynamic_smem(self, role: int) -> int:
     """Dynamic SMEM bytes of role ``role`` (1-3): v1 uses static SMEM only."""
@@ -809,8 +809,7 @@ class RoleKernelsV1:
         epoch = _ld(wsb + abi.HEADER["epoch"])
         if cutlass.const_expr(self.timeline):
           self._tl_stamp(wsb, epoch + 1, Int32(3))
-          slot = wsb + self.ws.total + Int64((epoch + 1) % abi.TL_CALLS) * (abi.TL_CALL_WORDS * 8)
-          _st_u64(slot + 4 * 8, Int64(epoch + 1))
+          self._tl_put(wsb, epoch + 1, Int32(4), Int64(epoch + 1))
         _st(wsb + abi.HEADER["epoch"], epoch + 1)
         if fault != 0:
           _mirror_fault(wsb)

@@ -869,15 +869,19 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     if cutlass.const_expr(self.timeline):
       if tid == 0:
         self._tl_cta(wsb, cur, bid, Int32(3))
-        if bid < abi.TL_CTAS:
-          slot = wsb + self.ws.total + Int64(cur % abi.TL_CALLS) * (abi.TL_CALL_WORDS * 8)
-          v1._st_u64(slot + Int64(abi.TL_HEAD + bid * abi.TL_CTA_WORDS + 4) * 8, Int64(_lds(ctl + CTL_TL)))
+        self._tl_cta_put(wsb, cur, bid, Int32(4), Int64(_lds(ctl + CTL_TL)))
+
+  @cute.jit
+  def _tl_cta_put(self, wsb: Int64, cur: Int32, bid: Int32, word: Int32, value: Int64) -> None:
+    """Timeline build: ``value`` into word ``word`` of this CTA's record (`abi.TL_CTA_WORDS`; CTAs past
+    `abi.TL_CTAS` record nothing)."""
+    if bid < abi.TL_CTAS:
+      self._tl_put(wsb, cur, abi.TL_HEAD + bid * abi.TL_CTA_WORDS + word, value)
 
   @cute.jit
   def _tl_cta(self, wsb: Int64, cur: Int32, bid: Int32, word: Int32) -> None:
-    """Timeline build: a stamp into word ``word`` of this CTA's record (`abi.TL_CTA_WORDS`)."""
-    if bid < abi.TL_CTAS:
-      self._tl_stamp(wsb, cur, abi.TL_HEAD + bid * abi.TL_CTA_WORDS + word)
+    """Timeline build: a stamp into word ``word`` of this CTA's record."""
+    self._tl_cta_put(wsb, cur, bid, word, cute.arch.globaltimer())
 
   @cute.jit
   def _tl_item(self, wsb: Int64, cur: Int32, bid: Int32, ctl: Int32, item: Int32, phase: cutlass.Constexpr):
@@ -889,9 +893,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       if n < abi.TL_ITEMS:
         rec = Int32(8) + 4 * n
         if cutlass.const_expr(phase == 0):
-          if bid < abi.TL_CTAS:
-            slot = wsb + self.ws.total + Int64(cur % abi.TL_CALLS) * (abi.TL_CALL_WORDS * 8)
-            v1._st_u64(slot + Int64(abi.TL_HEAD + bid * abi.TL_CTA_WORDS + rec) * 8, Int64(item))
+          self._tl_cta_put(wsb, cur, bid, rec, Int64(item))
           self._tl_cta(wsb, cur, bid, rec + 1)
           self._tl_cta(wsb, cur, bid, rec + 2)
         elif cutlass.const_expr(phase == 1):
