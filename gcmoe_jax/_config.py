@@ -32,6 +32,16 @@ def _ablation(text: str) -> str:
   return text
 
 
+def _positive_int(text: str) -> int:
+  value = int(text)
+  if value < 1:
+    raise ValueError("expected a positive integer")
+  return value
+
+
+_positive_int.__name__ = "a positive int"
+
+
 def _bool(text: str) -> bool:
   if text.lower() in ("1", "true", "yes", "on"):
     return True
@@ -43,8 +53,10 @@ def _bool(text: str) -> bool:
 VARS = {v.name: v for v in (
   Var("GCMOE_FFI_LIBRARY", str, "", "path of libgcmoe_jax_ffi.so to load instead of the installed one"),
   Var("GCMOE_CUBIN_DIR", str, "", "directory of prebuilt role-kernel cubins (python -m gcmoe_jax build-kernels)"),
-  Var("GC_MOE_SM120_DISPATCH_SMS", int, 6, "SMs requested for the dispatch green context (eq. 5); the compute "
-                                            "partition is the aligned rest of the device"),
+  Var("GC_MOE_SM120_DISPATCH_SMS", _positive_int, None,
+      "SMs requested for the dispatch green context (eq. 5); the compute partition is the aligned rest of the "
+      "device. Unset: 2 for a call without peers (its role 1 is one CTA: 128 compute / 4 dispatch SMs on "
+      "H100/H200, 104 / 6 on SM120), the paper's 6 for the fused transport (geometry.dispatch_request)"),
   Var("GCMOE_KERNELS", _kernels, "v2", "role-kernel generation: v2 (int8 tensor-core GEMMs, docs/kernels.md) or v1 "
                                        "(the SIMT reference kernels); part of the cubin key"),
   Var("GCMOE_ABLATION", _ablation, "", "benchmarking only, results are WRONG: build role 2 (v2) with one part left "

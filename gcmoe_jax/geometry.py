@@ -12,8 +12,9 @@ constraint; nothing is silently degraded.
 Hopper (sm_90a) runs the same chain with its own device facts. The tile tiers, handoffs, return staging and ℓ are
 deliberately identical (the Hopper build exists to verify the SM120 design, DESIGN.md §5); what differs comes from
 `Device`: a 228 KB SMEM budget (every tile would fit 4 CTAs; we cap c at 2 so R_cap stays 160, see `H100`),
-co-scheduling alignment 8 (on H100/H200, 132 = 16·8 + 4 SMs, so eq. 5 gives 120 compute and 12 dispatch SMs by
-default), and a role-1 bulk-pull engine that fits for every H of Table 10.
+co-scheduling alignment 8 (on H100/H200, 132 = 16·8 + 4 SMs, so eq. 5 gives 120 compute and 12 dispatch SMs for
+the paper's request of 6, and 128 / 4 for the runtime's request of 2 for a call without peers, `dispatch_request`),
+and a role-1 bulk-pull engine that fits for every H of Table 10.
 
 This module is a leaf: it imports only the standard library (never jax, never another gcmoe_jax module).
 """
@@ -38,6 +39,7 @@ MAX_CTAS_PER_SM = 4  # eq. 4: c = max(1, min(4, S_sm / S_role2))
 REG_GRANULARITY = 16  # eq. 4 / §5.1: the allocator's 16-register per-thread rounding
 MIN_COMPUTE_SMS = 32  # §4.2 and Table 10: the compute partition holds at least 32 SMs
 DEFAULT_DISPATCH_SMS = 6  # §4.2 eq. 5 and Table 3 (GC_MOE_SM120_DISPATCH_SMS)
+LOCAL_DISPATCH_SMS = 2  # a call without peers: role 1 is one CTA; the smallest request §4.2 allows (S_dispatch > 1)
 DEFAULT_CAPACITY = 256  # Table 3: 256 tokens per rank, the largest B of §6
 
 WEIGHT_TILE_BYTES = 64 * 128  # eq. 11: one M=64 x K=128 weight tile, one byte per element once expanded
@@ -467,6 +469,21 @@ def split_sms(device: Device, dispatch_sms: int | None = None) -> tuple[Partitio
   if compute + dispatch != total:  # holds by construction; kept because §4.2 checks what the driver returned
     bad.append(f"S_compute + S_dispatch must equal {total} (§4.2), got {compute} + {dispatch}")
   return Partition(total, a, d, dispatch, compute), tuple(bad)
+
+
+def dispatch_request(device: Device, requested: int | None, *, peers: bool) -> int:
+  """The dispatch SMs the runtime requests for a call (GC_MOE_SM120_DISPATCH_SMS when set, ``requested``).
+
+  Unset, a call with peers (the fused transport) requests the device's default (the paper's 6: role 1 pulls peer
+  rows on the dispatch partition), and a call without peers requests `LOCAL_DISPATCH_SMS`: its role 1 is one CTA
+  that scans the routes, so every SM the aligned compute group can take goes to role 2. On the 132-SM H100/H200
+  that is 128 compute / 4 dispatch SMs instead of 120 / 12 (measured 3-7 % faster at B >= 2 on the H200,
+  docs/perf.md); on the 110-SM SM120 both requests give the paper's 104 / 6.
+  """
+  if requested is not None:
+    _check_int("dispatch_sms", requested)
+    return requested
+  return device.default_dispatch_sms if peers else LOCAL_DISPATCH_SMS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -283,6 +283,34 @@ def test_split_eq5():
   assert (g.split_sms(g.H100, 4)[0].compute_sms, g.split_sms(g.H100, 4)[0].dispatch_sms) == (128, 4)
 
 
+@pytest.mark.parametrize("device, local, fused", [(g.H100, (128, 4), (120, 12)), (g.H200, (128, 4), (120, 12)),
+                                                  (g.RTX_PRO_5000, (104, 6), (104, 6))])
+def test_dispatch_request_unset_gives_a_local_call_every_aligned_sm(device, local, fused):
+  def split(requested, peers):
+    part, bad = g.split_sms(device, g.dispatch_request(device, requested, peers=peers))
+    assert bad == ()
+    return part.compute_sms, part.dispatch_sms
+  assert split(None, peers=False) == local
+  assert split(None, peers=True) == fused
+  # A request (GC_MOE_SM120_DISPATCH_SMS) wins over both defaults.
+  assert split(12, peers=False) == split(12, peers=True) == ((device.sm_count - 12) // 8 * 8,
+                                                              device.sm_count - (device.sm_count - 12) // 8 * 8)
+  with pytest.raises(TypeError, match="dispatch_sms must be an int"):
+    g.dispatch_request(device, 4.0, peers=False)
+
+
+def test_dispatch_sms_variable_rejects_non_positive(monkeypatch):
+  from gcmoe_jax import _config
+  monkeypatch.delenv("GC_MOE_SM120_DISPATCH_SMS", raising=False)
+  assert _config.get("GC_MOE_SM120_DISPATCH_SMS") is None
+  monkeypatch.setenv("GC_MOE_SM120_DISPATCH_SMS", "4")
+  assert _config.get("GC_MOE_SM120_DISPATCH_SMS") == 4
+  for bad in ("0", "-2", "six"):
+    monkeypatch.setenv("GC_MOE_SM120_DISPATCH_SMS", bad)
+    with pytest.raises(ValueError, match=f"GC_MOE_SM120_DISPATCH_SMS must be a positive int, got '{bad}'"):
+      _config.get("GC_MOE_SM120_DISPATCH_SMS")
+
+
 def _device(**kw) -> g.Device:
   return dataclasses.replace(g.RTX_PRO_5000, name="test", **kw)
 

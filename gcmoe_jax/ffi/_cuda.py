@@ -185,7 +185,8 @@ def prepare(hidden: int, intermediate: int, experts: int, top_k: int, tokens: in
   # The green-context split is the geometry's (eq. 5) for this device's facts; the runtime checks that the driver's
   # split matches it.
   facts, _ = device_facts(jax.devices()[0].id, s.reason)
-  partition, problems = geometry.split_sms(facts, int(_config.get("GC_MOE_SM120_DISPATCH_SMS")))
+  request = geometry.dispatch_request(facts, _config.get("GC_MOE_SM120_DISPATCH_SMS"), peers=bool(peer_groups))
+  partition, problems = geometry.split_sms(facts, request)
   if problems:
     raise ValueError("moe: the green-context split cannot run here: " + "; ".join(problems))
   return _register(s.reason, variant, partition.dispatch_requested, partition.compute_sms, timeout_ns,
