@@ -68,7 +68,7 @@ VARS = {v.name: v for v in (
                                        "for A/B timing; evenbodies: no pass bodies of 3 and 6 n-tiles, results "
                                        "exact, for A/B timing; timeline: %globaltimer stamps per role and role-2 "
                                        "item after the workspace, results exact, read by python -m "
-                                       "gcmoe_jax.bench.timeline; nosingle: one-row passes as 1-tile passes, "
+                                       "gcmoe_jax.bench.timeline; nosingle: one- and two-row passes as 1-tile passes, "
                                        "results exact, for A/B timing); "
                                        "part of the cubin key"),
   Var("GCMOE_WAIT_TIMEOUT_MS", int, 2000, "bound of every device spin-wait; expiry becomes a Python exception"),

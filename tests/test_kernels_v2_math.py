@@ -144,3 +144,56 @@ def test_qmma_scale_bytes_cover_every_block_exponent():
 
   e = np.arange(-r1.UE8M0_CLAMP, r1.UE8M0_CLAMP + 1)
   assert ((e + r1.F32_BIAS >= 0) & (e + r1.F32_BIAS <= 254)).all()
+
+
+def _c_fragment(c):
+  """The m16n8k32 accumulator of lane (g, t4): C[g][2 t4], C[g][2 t4 + 1], C[g + 8][2 t4], C[g + 8][2 t4 + 1]."""
+  return {(g, t4): [c(g, 2 * t4), c(g, 2 * t4 + 1), c(g + 8, 2 * t4), c(g + 8, 2 * t4 + 1)]
+          for g in range(8) for t4 in range(4)}
+
+
+def _shfl_xor(lanes, values, mask):
+  return {(g, t4): values[(g, t4 ^ mask)] for g, t4 in lanes}
+
+
+def test_one_row_body_gives_each_lane_the_three_planes_of_its_row():
+  """`roles_v2._stage` with one row: lane t4 = 0 takes row g, t4 = 1 row g + 8; after the K loop row g + 8 moves to
+  lane t4 = 0's accumulator 2 (slot 0's), where the pass epilogue reads it."""
+  r = _c_fragment(lambda row, n: ("S%d" % r2.PLANE_COLUMNS[n], row))
+  lanes = list(r)
+  s2 = _shfl_xor(lanes, {k: v[2] if k[1] == 3 else v[0] for k, v in r.items()}, 2)
+  for (g, t4), v in r.items():
+    if t4 > 1:
+      continue  # lanes t4 = 2, 3 compute padding
+    upper = t4 == 1
+    row = g + 8 if upper else g
+    planes = (v[2] if upper else v[0], v[3] if upper else v[1], s2[(g, t4)])
+    assert planes == (("S0", row), ("S1", row), ("S2", row)), (g, t4, planes)
+  acc = {(g, t4): ("acc", g + 8 * (t4 == 1)) for g, t4 in lanes}
+  moved = _shfl_xor(lanes, acc, 1)
+  assert all(acc[(g, 0)] == ("acc", g) and moved[(g, 0)] == ("acc", g + 8) for g in range(8))
+
+
+def test_two_row_body_gives_each_lane_the_three_planes_of_its_slot_and_row():
+  """`roles_v2._stage` with two rows: lane t4 takes (slot t4 % 2, row g + 8 (t4 // 2)) and after the K loop lane
+  t4 = 0 gathers the four, accumulator c = (slot c % 2, row g + 8 (c // 2)) as the pass epilogue reads them."""
+  r = _c_fragment(lambda row, n: ("S%d" % r2.PLANE_COLUMNS[n], r2.PAIR_SLOT_COLUMNS[n], row))
+  lanes = list(r)
+  x = _shfl_xor(lanes, {k: v[2] if k[1] < 2 else v[0] for k, v in r.items()}, 2)
+  y = _shfl_xor(lanes, {k: v[3] for k, v in r.items()}, 2)
+  for (g, t4), v in r.items():
+    lo = t4 < 2
+    slot, row = t4 % 2, g + 8 * (t4 // 2)
+    planes = (v[0] if lo else x[(g, t4)], v[1] if lo else y[(g, t4)], x[(g, t4)] if lo else v[2])
+    assert planes == (("S0", slot, row), ("S1", slot, row), ("S2", slot, row)), (g, t4, planes)
+  acc = {(g, t4): (t4 % 2, g + 8 * (t4 // 2)) for g, t4 in lanes}
+  for c in range(1, 4):
+    moved = _shfl_xor(lanes, acc, c)
+    assert all(moved[(g, 0)] == (c % 2, g + 8 * (c // 2)) for g in range(8))
+
+
+def test_scale_byte_prmt_extracts_each_byte():
+  rng = np.random.default_rng(3)
+  for w in rng.integers(0, 1 << 32, 500, dtype=np.int64):
+    for s in range(4):
+      assert _prmt(int(w), 0, 0x4440 + s) == (int(w) >> (8 * s)) & 0xFF

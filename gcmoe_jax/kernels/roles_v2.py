@@ -108,7 +108,10 @@ CTL_BARS = CTL_SLOT_RW + 4 * 8 * NT_MAX
 CTL_PROD = CTL_BARS + 16 * MAX_STAGES
 CTL_FAULT = CTL_PROD + 32  # the K128 block of a pipeline wait that timed out this pass, else -1
 CTL_TL = CTL_FAULT + 4  # the timeline build's count of this CTA's recorded items
-assert CTL_TL + 4 <= CTRL_BYTES
+# The E2M1 decode's prmt tables (`DECODE_TABLES`), read from SMEM once per stage (`_stage`): as
+# immediates ptxas rematerialised a table register before every prmt (one IMAD per 4 codes at the 128-register cap).
+CTL_TABLES = CTL_TL + 4
+assert CTL_TABLES + 16 <= CTRL_BYTES
 # A stage starts 1024-aligned: TMA's 64-byte swizzle is a function of the SMEM address bits 7-8, so the tile lands
 # in the layout `_weight_words` reads (16 B chunk c of row r at c ^ ((r >> 1) & 3)) only from a 512-aligned base.
 STAGE_ALIGN = 1024
@@ -132,6 +135,13 @@ SIGN_SELECT = 0x0000FF00  # prmt table whose byte 1 is 0xFF: a selector nibble o
 # each take an MMA into the same int32 accumulator, so D is unchanged and exact.
 POS2_LO, POS2_HI = 0x06040200, 0x18100C08
 SPLIT_DECODE_NT = 2
+DECODE_TABLES = (POS2_LO, NEG_LO, POS_LO, SIGN_SELECT)  # the table words `_stage` reads from `CTL_TABLES`
+# The B columns of the one- and two-row bodies (`_stage`): column n is read by lane group g = n. One row: planes
+# 0, 1, 0, 1, 2, 2, 2, 2, so lanes t4 = 0 and 1 hold S0, S1 of rows g and g + 8 and t4 = 2, 3 hold S2. Two rows: slot
+# (n >> 1) & 1 with the same planes, so t4 = 0, 1 hold S0, S1 of slots 0, 1 and t4 = 2, 3 their S2.
+PLANE_COLUMNS = (0, 1, 0, 1, 2, 2, 2, 2)
+PAIR_SLOT_COLUMNS = (0, 0, 1, 1, 0, 0, 1, 1)
+assert all(PLANE_COLUMNS[n] == (2 if n >= 4 else n & 1) and PAIR_SLOT_COLUMNS[n] == (n >> 1) & 1 for n in range(8))
 EXPAND_SELECT = 0x5140  # prmt selector of the sm_120a seam: bytes (w0, (w >> 4)0, w1, (w >> 4)1) of a 16-bit word
 
 
@@ -324,13 +334,18 @@ def _prmt(a, b, c) -> Int32:
   return v1._ptx1("prmt.b32 {$w0}, {$r0}, {$r1}, {$r2};", Int32(a), Int32(b), c)
 
 
-def _dec4(w) -> Int32:
-  """The E2M1 codes in nibbles 0-3 of ``w`` as four int8 ``2 w`` (byte i = nibble i)."""
+def _dec4(w, tabs=DECODE_TABLES) -> Int32:
+  """The E2M1 codes in nibbles 0-3 of ``w`` as four int8 ``2 w`` (byte i = nibble i; ``tabs``: `CTL_TABLES`)."""
   sel = w & 0x7777
-  pos = _prmt(POS_LO, POS_HI, sel)
-  neg = _prmt(NEG_LO, NEG_HI, sel)
-  m = _prmt(SIGN_SELECT, 0, (w >> 3) & 0x1111)
+  pos = _prmt(tabs[2], POS_HI, sel)
+  neg = _prmt(tabs[1], NEG_HI, sel)
+  m = _prmt(tabs[3], 0, (w >> 3) & 0x1111)
   return (pos & ~m) | (neg & m)
+
+
+def _scale_byte(word, s: int) -> Int32:
+  """Byte ``s`` of ``word``, zero-extended: one prmt, which ptxas fuses with no shift-and-mask pair."""
+  return _prmt(word, 0, 0x4440 + s)
 
 
 def _shfl_xor(v, off: int) -> Int32:
@@ -484,9 +499,14 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     self.tma = self.qmma or self.ablation == "tma"
     # One-row passes in `_stage`'s plane-column body (sm_90a's int8 path with the split decode; not the TMA
     # producer, which copies every slot, nor the shared-expert variants, whose 253-255 registers spilled 8 B with
-    # it): `GCMOE_ABLATION=nosingle` builds them as 1-tile passes, for A/B timing.
+    # it), and two-row passes in its two-row body (in the 1-tile pass's code: a pass of its own spilled at the
+    # two-CTA cap): `GCMOE_ABLATION=nosingle` builds both as 1-tile passes, for A/B timing.
     self.single = (self.split_decode and not self.qmma and not self.tma and not v.shared
                    and self.ablation != "nosingle")
+    # The decode's prmt tables from SMEM (`CTL_TABLES`) and the scale bytes by prmt (`_scale_byte`) in the int8
+    # variants of the cp.async producer but the shared-expert ones: at 253-255 registers either change alone (even
+    # the four table stores at the kernel's start) cost them 8 B of spills (ptxas), so they keep the older code.
+    self.smem_tables = not self.qmma and not self.tma and not v.shared
     self.cache = abi.pull_cache(v.top_k, v.ranks)  # rx rows per (rank, token), else per (rank, token, slot)
     self.words = abi.counter_words(v.experts, v.capacity, v.shared, v.ranks, v.relay)
     self.relay_base = abi.relay_counters(v.experts, v.capacity, v.shared)
@@ -717,6 +737,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       if tid == 0:
         _sts(ctl + CTL_TL, 0)
         self._tl_cta(wsb, cur, bid, Int32(0))
+    if cutlass.const_expr(self.smem_tables):
+      if tid == 0:  # read after phase 0's barrier
+        for q, word in enumerate(DECODE_TABLES):
+          _sts(ctl + CTL_TABLES + 4 * q, Int32(word))
 
     # ---- phase 0: MXFP8 of x into digit planes, a warp per (token, K32 block) --------------------------------
     for q in range(bid * WARPS + warp, n_tok * self.nblk_h, grid32 * WARPS):
@@ -1076,7 +1100,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       if rem <= 8:
         if cutlass.const_expr(self.single):
           if rem == 1:
-            self._chunk(g2, 1, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap, True)
+            self._chunk(g2, 1, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap, 1)
           else:
             self._chunk(g2, 1, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap)
         else:
@@ -1103,7 +1127,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   def _chunk(self, g2: cutlass.Constexpr, nt: cutlass.Constexpr, e: Int32, j: Int32, n0: Int32, count: Int32,
              rwb: Int64, pw: Int64, psc: Int64, wsb: Int64, c_bits: Int32, cur: Int32, ctl: Int32, pipe: Int32,
              tmap: Int64, single: cutlass.Constexpr = False):
-    """One pass of up to 8 ``nt`` rows of the item (``single``: exactly one row, `_stage`'s plane-column body)."""
+    """One pass of up to 8 ``nt`` rows of the item (``single``: exactly one row, `_stage`'s plane-column body; a
+    1-tile pass of two rows takes `_stage`'s two-row body at run time)."""
     v, ws = self.v, self.ws
     tid, _, _ = cute.arch.thread_idx()
     warp, lane, g, t4 = _lanes()
@@ -1174,8 +1199,19 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       self._tma_mainloop(nt, n_st, st_bytes, e, n0, count, psc_e, row0, n_rows, kb_n, nblk, planes, exps, wsb, cur,
                          ctl, pipe, tmap, rows_fast, acc)
     else:
-      self._cpasync_mainloop(nt, n_st, st_bytes, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl, pipe,
-                             rows_fast, acc, single)
+      if cutlass.const_expr(self.single and nt == 1 and not single):
+        # A pass of two rows in the 1-tile body's code (a pass body of its own cost ptxas 40-70 B of spills).
+        pair = cutlass.select_(count - n0 == 2, Int32(1), Int32(0))
+        self._cpasync_mainloop(nt, n_st, st_bytes, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl, pipe,
+                               rows_fast, acc, single, pair)
+        if pair != 0:
+          for c in cutlass.range_constexpr(1, 4):  # (slot c % 2, row g + 8 (c // 2)) was lane t4 = c's (`_stage`)
+            acc[c] = _shfl_xor(acc[0], c)
+      else:
+        self._cpasync_mainloop(nt, n_st, st_bytes, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl, pipe,
+                               rows_fast, acc, single)
+      if cutlass.const_expr(single):
+        acc[2] = _shfl_xor(acc[0], 1)  # row g + 8 was accumulated by lane t4 = 1 (`_stage`)
 
     # ---- epilogue ---------------------------------------------------------------------------------------------
     if cutlass.const_expr(g2 and self.fused and not self.relay):
@@ -1454,10 +1490,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   def _cpasync_mainloop(self, nt: cutlass.Constexpr, n_st: cutlass.Constexpr, st_bytes: cutlass.Constexpr,
                         pw_e: Int64, psc_e: Int64, row0: Int32, n_rows: cutlass.Constexpr, kb_n: cutlass.Constexpr,
                         nblk: cutlass.Constexpr, planes: Int64, exps: Int64, ctl: Int32, pipe: Int32,
-                        rows_fast: Int32, acc: cute.Tensor, single: cutlass.Constexpr = False):
+                        rows_fast: Int32, acc: cute.Tensor, single: cutlass.Constexpr = False, pair=None):
     """The K loop of the per-thread producer (sm_90a): every thread issues cp.async copies of the stage kb + n_st - 1
     and the CTA meets at a barrier per stage (``single``: a one-row pass, whose padding slots are never read, so
-    only slot 0's B rows are copied)."""
+    only slot 0's B rows are copied; ``pair``: nonzero for a two-row pass, see `_stage`)."""
     slots = 8 * nt
     n_copy = 1 if cutlass.const_expr(single) else slots
     for s in cutlass.range_constexpr(n_st - 1):
@@ -1472,14 +1508,16 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         self._issue(nk, pipe + (nk % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps,
                     ctl, n_copy)
       _commit()
-      self._compute(nt, pipe + (kb % n_st) * st_bytes, rows_fast, acc, single)
+      self._compute(nt, pipe + (kb % n_st) * st_bytes, rows_fast, acc, single, ctl if self.smem_tables else None,
+                    pair)
     _wait_group(0)
     cute.arch.sync_threads()  # the pipeline area is free: the epilogue reuses it
 
   @cute.jit
   def _compute(self, nt: cutlass.Constexpr, sb: Int32, rows_fast: Int32, acc: cute.Tensor,
-               single: cutlass.Constexpr = False):
-    """The MMAs of the stage at ``sb``: this thread's rows' scale words, then the fast or the slow path."""
+               single: cutlass.Constexpr = False, ctl=None, pair=None):
+    """The MMAs of the stage at ``sb``: this thread's rows' scale words, then the fast or the slow path of
+    `_stage` (``pair`` nonzero: its two-row body)."""
     warp, lane, g, t4 = _lanes()
     scw = (_lds(sb + self.w_bytes + (16 * warp + g) * 4), _lds(sb + self.w_bytes + (16 * warp + g + 8) * 4))
     if cutlass.const_expr(self.ablation == "nomath"):
@@ -1489,13 +1527,25 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     else:
       byte_ok = (((scw[0] ^ (scw[0] << 1)) & (scw[1] ^ (scw[1] << 1))) & SCALE_BYTE_BITS) == SCALE_BYTE_BITS
       if (rows_fast != 0) & byte_ok:
-        self._stage(True, nt, sb, scw, acc, single)
+        if cutlass.const_expr(pair is not None):
+          if pair != 0:
+            self._stage(True, nt, sb, scw, acc, 2, ctl)
+          else:
+            self._stage(True, nt, sb, scw, acc, single, ctl)
+        else:
+          self._stage(True, nt, sb, scw, acc, single, ctl)
       else:
-        self._stage(False, nt, sb, scw, acc, single)
+        if cutlass.const_expr(pair is not None):
+          if pair != 0:
+            self._stage(False, nt, sb, scw, acc, 2, ctl)
+          else:
+            self._stage(False, nt, sb, scw, acc, single, ctl)
+        else:
+          self._stage(False, nt, sb, scw, acc, single, ctl)
 
   @cute.jit
   def _stage(self, fast: cutlass.Constexpr, nt: cutlass.Constexpr, sb: Int32, scw, acc: cute.Tensor,
-             single: cutlass.Constexpr = False):
+             single: cutlass.Constexpr = 0, ctl=None):
     """The MMAs and the exact epilogue of one K128 stage: ``acc += f32(D_b) * 2**n_b`` for its four K32 blocks.
 
     D = S0 + 2**6 S1 + 2**12 S2 comes out of a chain of three MMAs: S1; T + MAGIC = A B0 + (64 S1 + MAGIC);
@@ -1505,11 +1555,14 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     and normal. Slow path: v1's two-step scaling, NaN blocks and add.
 
     ``single`` (a pass of one row, the usual one at decode batches: every expert of GLM5.2 at B = 1): the three
-    digit planes of the row go in columns 0-2 of ONE n-tile (lane g reads plane min(g, 2)), so a block takes one
-    split-decode MMA pair instead of three, one B load instead of three, and the epilogue runs on the two rows of a
-    lane with t4 = 0 (S0, S1 in its columns, S2 from lane t4 = 1 by one shuffle per row): the same integers, the
-    same float operations, the same bits, in the accumulators of slot 0 (``acc[0]``, ``acc[2]``); the other lanes'
-    accumulators hold junk, which the epilogues never read (their slots are padding).
+    digit planes of the row go in the columns of ONE n-tile, so a block takes one split-decode MMA pair instead of
+    three and one B load instead of three, and the epilogue of a block is one row's per lane: lane t4 = 0 row g,
+    lane t4 = 1 row g + 8 (S0, S1 in its own columns, S2 by one shuffle from lane t4 = 2 or 3): the same integers,
+    the same float operations, the same bits, accumulated in ``acc[0]`` of those lanes (the pass moves row g + 8 to
+    lane t4 = 0's ``acc[2]``, slot 0's, after the K loop); the other lanes' accumulators hold junk, which the
+    epilogues never read (their slots are padding). ``single`` = 2: a pass of two rows in the same way, each lane
+    of a quad one (slot, row) (`PLANE_COLUMNS`, `PAIR_SLOT_COLUMNS`). ``ctl``: the control area, whose
+    `CTL_TABLES` the decode reads; None: the tables as immediates.
     """
     warp, lane, g, t4 = _lanes()
     slots = 8 * nt
@@ -1518,10 +1571,16 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     magic4 = (Int32(MAGIC), Int32(MAGIC), Int32(MAGIC), Int32(MAGIC))
     zero4 = (Int32(0), Int32(0), Int32(0), Int32(0))
     words = _weight_words(sb, warp, lane)
+    tabs = DECODE_TABLES
+    if cutlass.const_expr(ctl is not None):
+      tabs = tuple(_lds(ctl + CTL_TABLES + 4 * q) for q in range(len(DECODE_TABLES)))
 
     def block(i, s, mma):
       """Block s of n-tile i: ``mma(b, c)`` = A B + C for this block's weights."""
-      wb = (((scw[0] >> (8 * s)) & 0xFF), ((scw[1] >> (8 * s)) & 0xFF))
+      if cutlass.const_expr(self.smem_tables):
+        wb = (_scale_byte(scw[0], s), _scale_byte(scw[1], s))
+      else:
+        wb = (((scw[0] >> (8 * s)) & 0xFF), ((scw[1] >> (8 * s)) & 0xFF))
       xp = sb + xp_off + (8 * i + g) * TOKEN_STRIDE + s * BLOCK_BYTES + 8 * t4
       b0 = _lds2(xp)
       b1 = _lds2(xp + 32)
@@ -1543,39 +1602,78 @@ class RoleKernelsV2(v1.RoleKernelsV1):
           p = cutlass.select_(xw == abi.NAN_WORD, Int32(v1.F32_QNAN), p)
           acc[4 * i + c] = v1._fadd(acc[4 * i + c], p)
 
-    if cutlass.const_expr(single):
+    if cutlass.const_expr(single == 1):
+      # Columns 0 and 2 hold plane 0, 1 and 3 plane 1, 4-7 plane 2 (lane g reads the plane of column g), so lane
+      # t4 = 0 holds S0, S1 of row g and lane t4 = 1 those of row g + 8, and lanes t4 = 2, 3 hold S2 of both rows:
+      # one shuffle brings each its S2, and lane t4 = 0 computes row g, lane t4 = 1 row g + 8 (in acc[0]; the pass
+      # moves row g + 8 back to lane t4 = 0's acc[2] after the K loop).
+      upper = t4 == 1
+      scw_row = cutlass.select_(upper, scw[1], scw[0])
+      plane = cutlass.select_(g >= 4, Int32(2), g & 1)
       for s in cutlass.range_constexpr(v1.SUBS):
         w4 = (words[2 * s], words[2 * s + 1], words[2 * s] >> 16, words[2 * s + 1] >> 16)
-        a_pos = tuple(_prmt(POS2_LO, POS2_HI, w) for w in w4)
-        a_neg = tuple(_prmt(NEG_LO, NEG_HI, w & 0x7777) for w in w4)
-        b = _lds2(sb + xp_off + s * BLOCK_BYTES + cutlass.min(g, 2) * 32 + 8 * t4)
+        a_pos = tuple(_prmt(tabs[0], POS2_HI, w) for w in w4)
+        a_neg = tuple(_prmt(tabs[1], NEG_HI, w & 0x7777) for w in w4)
+        b = _lds2(sb + xp_off + s * BLOCK_BYTES + plane * 32 + 8 * t4)
         r = _mma_s8(a_neg, b, _mma_s8(a_pos, b, zero4))
         xw = _lds(sb + xe_off + 4 * s)  # slot 0's exponent word of block s
-        for h in cutlass.range_constexpr(2):  # rows g and g + 8: S0, S1 here, S2 in lane t4 = 1's column 2
-          s2 = _shfl_xor(r[2 * h], 1)
-          tf = v1._fadd(r[2 * h] + r[2 * h + 1] * (1 << abi.DIGIT_BITS) + MAGIC, MAGIC_NEG)
-          sf = v1._fadd(s2 + MAGIC, MAGIC_NEG)
-          df = _fma(sf, F32_4096, tf)
-          wb = (scw[h] >> (8 * s)) & 0xFF
-          if cutlass.const_expr(fast):
-            acc[2 * h] = _fma(df, xw + (wb << v1.F32_MANT_BITS), acc[2 * h])
-          else:
-            p = v1._scale_pow2(df, (xw >> v1.F32_MANT_BITS) + wb - v1.F32_BIAS)
-            p = cutlass.select_(xw == abi.NAN_WORD, Int32(v1.F32_QNAN), p)
-            acc[2 * h] = v1._fadd(acc[2 * h], p)
+        s2 = _shfl_xor(cutlass.select_(t4 == 3, r[2], r[0]), 2)  # t4 = 0 <- S2 (row g), t4 = 1 <- S2 (row g + 8)
+        s0 = cutlass.select_(upper, r[2], r[0])
+        s1 = cutlass.select_(upper, r[3], r[1])
+        tf = v1._fadd(s0 + s1 * (1 << abi.DIGIT_BITS) + MAGIC, MAGIC_NEG)
+        sf = v1._fadd(s2 + MAGIC, MAGIC_NEG)
+        df = _fma(sf, F32_4096, tf)
+        wb = _scale_byte(scw_row, s)
+        if cutlass.const_expr(fast):
+          acc[0] = _fma(df, xw + (wb << v1.F32_MANT_BITS), acc[0])
+        else:
+          p = v1._scale_pow2(df, (xw >> v1.F32_MANT_BITS) + wb - v1.F32_BIAS)
+          p = cutlass.select_(xw == abi.NAN_WORD, Int32(v1.F32_QNAN), p)
+          acc[0] = v1._fadd(acc[0], p)
+    elif cutlass.const_expr(single == 2):
+      # Columns 0, 1 hold planes 0, 1 of slot 0, columns 2, 3 those of slot 1, 4-5 plane 2 of slot 0 and 6-7 that of
+      # slot 1. Each lane of a quad takes one (slot, row): t4 = 0 (0, g), 1 (1, g), 2 (0, g + 8), 3 (1, g + 8); two
+      # shuffles bring each the planes it lacks (lanes t4 and t4 ^ 2 trade S0 of row g + 8 for S2 of row g in one).
+      # The pass moves the four back to lane t4 = 0 after the K loop.
+      lo = t4 < 2
+      scw_row = cutlass.select_(lo, scw[0], scw[1])
+      col_slot = (g >> 1) & 1
+      plane = cutlass.select_(g >= 4, Int32(2), g & 1)
+      for s in cutlass.range_constexpr(v1.SUBS):
+        w4 = (words[2 * s], words[2 * s + 1], words[2 * s] >> 16, words[2 * s + 1] >> 16)
+        a_pos = tuple(_prmt(tabs[0], POS2_HI, w) for w in w4)
+        a_neg = tuple(_prmt(tabs[1], NEG_HI, w & 0x7777) for w in w4)
+        b = _lds2(sb + xp_off + col_slot * TOKEN_STRIDE + s * BLOCK_BYTES + plane * 32 + 8 * t4)
+        r = _mma_s8(a_neg, b, _mma_s8(a_pos, b, zero4))
+        xw = _lds(sb + xe_off + (t4 & 1) * 16 + 4 * s)  # this lane's slot's exponent word of block s
+        x = _shfl_xor(cutlass.select_(lo, r[2], r[0]), 2)  # t4 < 2 <- S2 (row g); t4 >= 2 <- S0 (row g + 8)
+        y = _shfl_xor(r[3], 2)  # t4 >= 2 <- S1 (row g + 8)
+        s0 = cutlass.select_(lo, r[0], x)
+        s1 = cutlass.select_(lo, r[1], y)
+        s2 = cutlass.select_(lo, x, r[2])
+        tf = v1._fadd(s0 + s1 * (1 << abi.DIGIT_BITS) + MAGIC, MAGIC_NEG)
+        sf = v1._fadd(s2 + MAGIC, MAGIC_NEG)
+        df = _fma(sf, F32_4096, tf)
+        wb = _scale_byte(scw_row, s)
+        if cutlass.const_expr(fast):
+          acc[0] = _fma(df, xw + (wb << v1.F32_MANT_BITS), acc[0])
+        else:
+          p = v1._scale_pow2(df, (xw >> v1.F32_MANT_BITS) + wb - v1.F32_BIAS)
+          p = cutlass.select_(xw == abi.NAN_WORD, Int32(v1.F32_QNAN), p)
+          acc[0] = v1._fadd(acc[0], p)
     elif cutlass.const_expr(self.split_decode and nt <= SPLIT_DECODE_NT):
       # Narrow passes, where the decode dominates: the split decode, block by block (8 registers), and twice the
       # MMAs (the tensor pipe is ~10 % busy there). Every accumulator still takes its blocks in increasing K.
       for s in cutlass.range_constexpr(v1.SUBS):
         w4 = (words[2 * s], words[2 * s + 1], words[2 * s] >> 16, words[2 * s + 1] >> 16)
-        a_pos = tuple(_prmt(POS2_LO, POS2_HI, w) for w in w4)
-        a_neg = tuple(_prmt(NEG_LO, NEG_HI, w & 0x7777) for w in w4)
+        a_pos = tuple(_prmt(tabs[0], POS2_HI, w) for w in w4)
+        a_neg = tuple(_prmt(tabs[1], NEG_HI, w & 0x7777) for w in w4)
         for i in cutlass.range_constexpr(nt):
           block(i, s, lambda b, c: _mma_s8(a_neg, b, _mma_s8(a_pos, b, c)))
     else:
       # Wide passes: the weight fragments decoded once per stage (16 registers) and reused by every n-tile.
-      a_all = tuple((_dec4(words[2 * s]), _dec4(words[2 * s + 1]), _dec4(words[2 * s] >> 16),
-                     _dec4(words[2 * s + 1] >> 16)) for s in range(v1.SUBS))
+      a_all = tuple((_dec4(words[2 * s], tabs), _dec4(words[2 * s + 1], tabs), _dec4(words[2 * s] >> 16, tabs),
+                     _dec4(words[2 * s + 1] >> 16, tabs)) for s in range(v1.SUBS))
       for i in cutlass.range_constexpr(nt):
         for s in cutlass.range_constexpr(v1.SUBS):
           block(i, s, lambda b, c: _mma_s8(a_all[s], b, c))
