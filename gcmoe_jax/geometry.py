@@ -477,7 +477,7 @@ def dispatch_request(device: Device, requested: int | None, *, peers: bool) -> i
   Unset, a call with peers (the fused transport) requests the device's default (the paper's 6: role 1 pulls peer
   rows on the dispatch partition), and a call without peers requests `LOCAL_DISPATCH_SMS`: its role 1 is one CTA
   that scans the routes, so every SM the aligned compute group can take goes to role 2. On the 132-SM H100/H200
-  that is 128 compute / 4 dispatch SMs instead of 120 / 12 (measured 3-7 % faster at B >= 2 on the H200,
+  that is 128 compute / 4 dispatch SMs instead of 120 / 12 (measured 4-7 % faster at B >= 8 on the H200,
   docs/perf.md); on the 110-SM SM120 both requests give the paper's 104 / 6.
   """
   if requested is not None:

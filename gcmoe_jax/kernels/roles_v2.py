@@ -348,6 +348,27 @@ def _scale_byte(word, s: int) -> Int32:
   return _prmt(word, 0, 0x4440 + s)
 
 
+def _split_fragments(words, s: int, tabs):
+  """The split decode of K32 block ``s`` of a stage's weight words: the A fragments of P and N (`_stage`)."""
+  w4 = (words[2 * s], words[2 * s + 1], words[2 * s] >> 16, words[2 * s + 1] >> 16)
+  return (tuple(_prmt(tabs[0], POS2_HI, w) for w in w4), tuple(_prmt(tabs[1], NEG_HI, w & 0x7777) for w in w4))
+
+
+def _row_update(fast: bool, s0, s1, s2, xw, scale_word, s: int, acc):
+  """``acc`` after block ``s`` of one (row, token) from its three plane sums: f32(D) by the magic conversion, then
+  the fast path's exact scaled FMA or the slow path's two-step scaling with NaN blocks (`_stage`; the row's weight
+  scale is byte ``s`` of ``scale_word``)."""
+  tf = v1._fadd(s0 + s1 * (1 << abi.DIGIT_BITS) + MAGIC, MAGIC_NEG)
+  sf = v1._fadd(s2 + MAGIC, MAGIC_NEG)
+  df = _fma(sf, F32_4096, tf)
+  wb = _scale_byte(scale_word, s)
+  if fast:
+    return _fma(df, xw + (wb << v1.F32_MANT_BITS), acc)
+  p = v1._scale_pow2(df, (xw >> v1.F32_MANT_BITS) + wb - v1.F32_BIAS)
+  p = cutlass.select_(xw == abi.NAN_WORD, Int32(v1.F32_QNAN), p)
+  return v1._fadd(acc, p)
+
+
 def _shfl_xor(v, off: int) -> Int32:
   return v1._ptx1(f"shfl.sync.bfly.b32 {{$w0}}, {{$r0}}, {off}, 31, -1;", v)
 
@@ -1611,25 +1632,14 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       scw_row = cutlass.select_(upper, scw[1], scw[0])
       plane = cutlass.select_(g >= 4, Int32(2), g & 1)
       for s in cutlass.range_constexpr(v1.SUBS):
-        w4 = (words[2 * s], words[2 * s + 1], words[2 * s] >> 16, words[2 * s + 1] >> 16)
-        a_pos = tuple(_prmt(tabs[0], POS2_HI, w) for w in w4)
-        a_neg = tuple(_prmt(tabs[1], NEG_HI, w & 0x7777) for w in w4)
+        a_pos, a_neg = _split_fragments(words, s, tabs)
         b = _lds2(sb + xp_off + s * BLOCK_BYTES + plane * 32 + 8 * t4)
         r = _mma_s8(a_neg, b, _mma_s8(a_pos, b, zero4))
         xw = _lds(sb + xe_off + 4 * s)  # slot 0's exponent word of block s
         s2 = _shfl_xor(cutlass.select_(t4 == 3, r[2], r[0]), 2)  # t4 = 0 <- S2 (row g), t4 = 1 <- S2 (row g + 8)
         s0 = cutlass.select_(upper, r[2], r[0])
         s1 = cutlass.select_(upper, r[3], r[1])
-        tf = v1._fadd(s0 + s1 * (1 << abi.DIGIT_BITS) + MAGIC, MAGIC_NEG)
-        sf = v1._fadd(s2 + MAGIC, MAGIC_NEG)
-        df = _fma(sf, F32_4096, tf)
-        wb = _scale_byte(scw_row, s)
-        if cutlass.const_expr(fast):
-          acc[0] = _fma(df, xw + (wb << v1.F32_MANT_BITS), acc[0])
-        else:
-          p = v1._scale_pow2(df, (xw >> v1.F32_MANT_BITS) + wb - v1.F32_BIAS)
-          p = cutlass.select_(xw == abi.NAN_WORD, Int32(v1.F32_QNAN), p)
-          acc[0] = v1._fadd(acc[0], p)
+        acc[0] = _row_update(fast, s0, s1, s2, xw, scw_row, s, acc[0])
     elif cutlass.const_expr(single == 2):
       # Columns 0, 1 hold planes 0, 1 of slot 0, columns 2, 3 those of slot 1, 4-5 plane 2 of slot 0 and 6-7 that of
       # slot 1. Each lane of a quad takes one (slot, row): t4 = 0 (0, g), 1 (1, g), 2 (0, g + 8), 3 (1, g + 8); two
@@ -1640,9 +1650,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       col_slot = (g >> 1) & 1
       plane = cutlass.select_(g >= 4, Int32(2), g & 1)
       for s in cutlass.range_constexpr(v1.SUBS):
-        w4 = (words[2 * s], words[2 * s + 1], words[2 * s] >> 16, words[2 * s + 1] >> 16)
-        a_pos = tuple(_prmt(tabs[0], POS2_HI, w) for w in w4)
-        a_neg = tuple(_prmt(tabs[1], NEG_HI, w & 0x7777) for w in w4)
+        a_pos, a_neg = _split_fragments(words, s, tabs)
         b = _lds2(sb + xp_off + col_slot * TOKEN_STRIDE + s * BLOCK_BYTES + plane * 32 + 8 * t4)
         r = _mma_s8(a_neg, b, _mma_s8(a_pos, b, zero4))
         xw = _lds(sb + xe_off + (t4 & 1) * 16 + 4 * s)  # this lane's slot's exponent word of block s
@@ -1651,23 +1659,12 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         s0 = cutlass.select_(lo, r[0], x)
         s1 = cutlass.select_(lo, r[1], y)
         s2 = cutlass.select_(lo, x, r[2])
-        tf = v1._fadd(s0 + s1 * (1 << abi.DIGIT_BITS) + MAGIC, MAGIC_NEG)
-        sf = v1._fadd(s2 + MAGIC, MAGIC_NEG)
-        df = _fma(sf, F32_4096, tf)
-        wb = _scale_byte(scw_row, s)
-        if cutlass.const_expr(fast):
-          acc[0] = _fma(df, xw + (wb << v1.F32_MANT_BITS), acc[0])
-        else:
-          p = v1._scale_pow2(df, (xw >> v1.F32_MANT_BITS) + wb - v1.F32_BIAS)
-          p = cutlass.select_(xw == abi.NAN_WORD, Int32(v1.F32_QNAN), p)
-          acc[0] = v1._fadd(acc[0], p)
+        acc[0] = _row_update(fast, s0, s1, s2, xw, scw_row, s, acc[0])
     elif cutlass.const_expr(self.split_decode and nt <= SPLIT_DECODE_NT):
       # Narrow passes, where the decode dominates: the split decode, block by block (8 registers), and twice the
       # MMAs (the tensor pipe is ~10 % busy there). Every accumulator still takes its blocks in increasing K.
       for s in cutlass.range_constexpr(v1.SUBS):
-        w4 = (words[2 * s], words[2 * s + 1], words[2 * s] >> 16, words[2 * s + 1] >> 16)
-        a_pos = tuple(_prmt(tabs[0], POS2_HI, w) for w in w4)
-        a_neg = tuple(_prmt(tabs[1], NEG_HI, w & 0x7777) for w in w4)
+        a_pos, a_neg = _split_fragments(words, s, tabs)
         for i in cutlass.range_constexpr(nt):
           block(i, s, lambda b, c: _mma_s8(a_neg, b, _mma_s8(a_pos, b, c)))
     else:
