@@ -91,6 +91,11 @@ def get(name: str) -> Any:
       from None
 
 
+def timeline_build() -> bool:
+  """Whether ``GCMOE_ABLATION=timeline`` (the kernels stamp %globaltimer into a region after the workspace)."""
+  return get("GCMOE_ABLATION") == "timeline"
+
+
 def snapshot() -> dict[str, tuple[Any, bool, str]]:
   """``name -> (value, is_set, help)`` for every declared variable (for doctor)."""
   return {name: (get(name), bool(os.environ.get(name)), v.help) for name, v in VARS.items()}

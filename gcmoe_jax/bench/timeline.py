@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 from collections.abc import Sequence
 
 import numpy as np
 
+from gcmoe_jax import _config
 from gcmoe_jax.kernels import abi
 
 __all__ = ["LayerTimeline", "parse_slot", "summarize", "to_markdown"]
@@ -147,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   a = ap.parse_args(argv)
   if not 1 <= a.chain <= abi.TL_CALLS:
     ap.error(f"--chain must be in [1, {abi.TL_CALLS}] (the timeline's call slots), got {a.chain}")
-  if os.environ.get("GCMOE_ABLATION") != "timeline":
+  if not _config.timeline_build():
     print("timeline: set GCMOE_ABLATION=timeline (the stamping build of the kernels)", file=sys.stderr)
     return 2
   if a.shared:

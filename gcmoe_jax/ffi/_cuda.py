@@ -135,7 +135,7 @@ def register_raw(key: str, config: tuple[int, ...], launch: tuple[int, ...], cub
 def workspace_bytes(ws: abi.Workspace) -> int:
   """Bytes the runtime allocates for a workspace: its sections, and with ``GCMOE_ABLATION=timeline`` the timeline
   the kernels stamp after them (`abi.TIMELINE_BYTES`, read by `debug_read_workspace`)."""
-  return ws.total + (abi.TIMELINE_BYTES if _config.get("GCMOE_ABLATION") == "timeline" else 0)
+  return ws.total + (abi.TIMELINE_BYTES if _config.timeline_build() else 0)
 
 
 @functools.lru_cache(maxsize=None)

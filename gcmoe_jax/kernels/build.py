@@ -358,7 +358,7 @@ def _check_role(role: int, variant: Variant, arch: str, entry: dict[str, Any], r
                      f"{res['registers']} registers; the kernels must not spill (two-CTA role 2: at most "
                      f"{_SPILL_BUDGET.get(role, 0)} B)")
   frame = -(-spills // 8) * 8 + (_TENSORMAP_FRAME if maps and arch.startswith("sm_12") else 0)
-  if _config.get("GCMOE_ABLATION") == "timeline" and ctas > 1:
+  if _config.timeline_build() and ctas > 1:
     frame = max(frame, _SPILL_BUDGET.get(role, 0))  # a diagnostic build: its stamps may take a stack slot
   if res["local_bytes"] > frame:
     raise BuildError(f"build: {where}: the kernel uses {res['local_bytes']} B of local memory (a stack frame) and "

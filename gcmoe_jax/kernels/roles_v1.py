@@ -433,7 +433,7 @@ class RoleKernelsV1:
     self.k_max = max(variant.hidden, variant.intermediate, variant.shared_intermediate or 0)
     self.i_max = max(variant.intermediate, variant.shared_intermediate or 0)
     # `GCMOE_ABLATION=timeline`: %globaltimer stamps after the workspace (`abi.TIMELINE_BYTES`), results exact.
-    self.timeline = _config.get("GCMOE_ABLATION") == "timeline"
+    self.timeline = _config.timeline_build()
 
   @cute.jit
   def _tl_put(self, wsb: Int64, cur: Int32, word: Int32, value: Int64) -> None:

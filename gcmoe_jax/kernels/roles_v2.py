@@ -1548,21 +1548,21 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     else:
       byte_ok = (((scw[0] ^ (scw[0] << 1)) & (scw[1] ^ (scw[1] << 1))) & SCALE_BYTE_BITS) == SCALE_BYTE_BITS
       if (rows_fast != 0) & byte_ok:
-        if cutlass.const_expr(pair is not None):
-          if pair != 0:
-            self._stage(True, nt, sb, scw, acc, 2, ctl)
-          else:
-            self._stage(True, nt, sb, scw, acc, single, ctl)
-        else:
-          self._stage(True, nt, sb, scw, acc, single, ctl)
+        self._stage_body(True, nt, sb, scw, acc, single, ctl, pair)
       else:
-        if cutlass.const_expr(pair is not None):
-          if pair != 0:
-            self._stage(False, nt, sb, scw, acc, 2, ctl)
-          else:
-            self._stage(False, nt, sb, scw, acc, single, ctl)
-        else:
-          self._stage(False, nt, sb, scw, acc, single, ctl)
+        self._stage_body(False, nt, sb, scw, acc, single, ctl, pair)
+
+  @cute.jit
+  def _stage_body(self, fast: cutlass.Constexpr, nt: cutlass.Constexpr, sb: Int32, scw, acc: cute.Tensor,
+                  single: cutlass.Constexpr, ctl, pair):
+    """`_stage` in its two-row body when ``pair`` (run time) is nonzero, else in the pass's own."""
+    if cutlass.const_expr(pair is not None):
+      if pair != 0:
+        self._stage(fast, nt, sb, scw, acc, 2, ctl)
+      else:
+        self._stage(fast, nt, sb, scw, acc, single, ctl)
+    else:
+      self._stage(fast, nt, sb, scw, acc, single, ctl)
 
   @cute.jit
   def _stage(self, fast: cutlass.Constexpr, nt: cutlass.Constexpr, sb: Int32, scw, acc: cute.Tensor,
