@@ -617,6 +617,7 @@ std::string Runtime::ReadFault(CUstream stream) {
     msg += what == 0x40000u   ? " (the fused transport waited for rank " + std::to_string(which) +
                                     " to publish this call, and it did not"
            : what == 0x50000u ? " (the fused transport waited for this rank's dispatch CTAs to receive their rows"
+           : what == 0x90000u ? " (the fused transport's dispatch CTAs waited for block 0's direct scan of the peers"
                               : " (the fused transport waited for the peers to return this rank's rows: " +
                                     std::to_string(h->error_observed) + " row tiles arrived";
     msg += " within " + std::to_string(spec_->timeout_ns / 1000000) +

@@ -86,6 +86,20 @@ def test_ranks_with_zero_tokens_still_take_part(tokens):
   _check(f"tokens {tokens}", ys, emulated(x, w, r.ids, r.weights, clamp=None), tokens)
 
 
+@pytest.mark.parametrize("relay", [False, True], ids=["direct", "relay"])
+@pytest.mark.parametrize("tokens", [[1, 2], [2, 7], [2, 1, 2, 1]], ids=["R2", "R2-mixed", "R4"])
+@pytest.mark.parametrize("family", ["default", "k_max", "first_expert"])
+def test_tiny_batches_take_the_direct_scan(family, tokens, relay):
+  """A rank with B <= 2 (`roles_v2.DIRECT_SCAN_TOKENS`) polls the peers from its role-1 block 0 alone, which
+  opens a local gate with their T for the other CTAs; a rank with more tokens polls from every CTA. k_max: every
+  route of a token is local to one rank (the packed routes hold k tags per token); first_expert: k = 1 < R, the
+  pull cache off."""
+  x, w, r, tokens = _case(family, len(tokens), tokens, seed=17)
+  ys = _run(x, w, r, tokens, len(tokens), relay=relay)
+  _check(f"{family} tokens {tokens} {'relay' if relay else 'direct'}", ys,
+         emulated(x, w, r.ids, r.weights, clamp=10.0), tokens)
+
+
 def test_shared_expert_on_virtual_ranks():
   x, w, r, tokens = _case("zipf", 2, [9, 4], shared=256, seed=3)
   ys = _run(x, w, r, tokens, 2)
@@ -142,3 +156,21 @@ def test_a_stalled_rank_makes_the_others_raise_and_the_next_call_recovers(monkey
     vr.stall(1, -1)
     ys = vr(xs, ids, wt)
   _check("after the stall", ys, emulated(x, w, r.ids, r.weights, clamp=10.0), tokens)
+
+
+@pytest.mark.parametrize("tokens", [[6, 6], [2, 2]], ids=["every-CTA-polls", "direct-scan"])
+def test_a_rank_that_never_publishes_makes_the_others_raise_and_the_next_call_recovers(monkeypatch, tokens):
+  """Rank 1 never publishes its call (`abi.STALL_CALL`): every rank's wait for it expires (with the direct scan,
+  block 0's; the other CTAs wait on its gate and end on its fault) and the run raises naming rank 1; with the
+  stall lifted the next call is exact again."""
+  monkeypatch.setenv("GCMOE_WAIT_TIMEOUT_MS", "200")
+  x, w, r, _ = _case("default", 2, tokens, seed=19)
+  xs, ids, wt = _split(x, tokens), _split(r.ids, tokens), _split(r.weights, tokens)
+  with ffi.VirtualRanks(w, top_k=r.ids.shape[1], ranks=2, capacity=CAPACITY, tokens=tokens, clamp=10.0) as vr:
+    vr.stall(1, abi.STALL_CALL)
+    with pytest.raises(RuntimeError, match="waited for rank 1 to publish this call") as info:
+      vr(xs, ids, wt)
+    print(f"\n  rank 1 withholding its call: {info.value}")
+    vr.stall(1, -1)
+    ys = vr(xs, ids, wt)
+  _check(f"after the withheld call, tokens {tokens}", ys, emulated(x, w, r.ids, r.weights, clamp=10.0), tokens)

@@ -398,6 +398,9 @@ def test_fused_workspace_holds_every_ranks_rows_and_leaves_the_local_layout_alon
   assert abi.counter_words(4, 16, False, 2) == abi.counter_words(4, 16, False) + 2
   assert abi.fused_counters(4, 16, False) == (5, 6)
   assert abi.HEADER["peers"] + 8 * abi.MAX_RANKS <= abi.HEADER_BYTES
+  # The packed routes: a tag byte per global assignment; the direct scan's gate: the epoch and every rank's T.
+  assert fused.rgate - fused.rtags >= 2 * 16 * 4 and fused.relay_arena - fused.rgate >= 4 * (1 + 2)
+  assert local.rtags == local.rgate == local.total
   # Without the pull cache (k < R) every route gets its own received row; the relay path parks R C k rows.
   no_cache = Variant(512, 256, 4, 1, 16, ranks=2).workspace("v2")
   assert no_cache.rxexp - no_cache.rxplanes == fused.rxexp - fused.rxplanes  # k = 1: one row per route = per token
@@ -424,6 +427,32 @@ def test_fused_roles_synchronise_at_system_scope(cache):
   assert "ld.acquire.sys" in role3
   local = build.compile_variant("sm_90a", SMALL, cache_dir=cache)
   assert ".sys" not in _ptx(local, 2)
+
+
+@needs_dsl
+def test_fused_role1_pulls_rows_in_batches_over_several_ctas_per_sm(cache):
+  """Role 1 of the fused transport issues a lane's 16-byte peer loads of a row before their stores (the
+  register-batched pull path; a row of H = 512 is 4 chunks per lane, so all 4 in flight) and is built for
+  `ROLE1_FUSED_CTAS_PER_SM` CTAs per dispatch SM; the local variant's role 1 keeps one."""
+  from gcmoe_jax.kernels import roles_v2
+
+  meta = build.compile_variant("sm_90a", Variant(512, 256, 4, 4, 16, ranks=2), cache_dir=cache)
+  ptx = _ptx(meta, 1)
+  run = best = 0
+  for line in ptx.splitlines():
+    if "ld.global.cg.v4" in line:
+      run += 1
+      best = max(best, run)
+    elif "st.global.v4" in line:
+      run = 0
+  assert best >= 4, f"at most {best} 16-byte peer loads in flight before a store"
+  assert f".minnctapersm {roles_v2.ROLE1_FUSED_CTAS_PER_SM}" in ptx
+  role1 = meta["roles"][0]
+  assert role1["ctas_per_sm"] == roles_v2.ROLE1_FUSED_CTAS_PER_SM and role1["spill_bytes"] == 0
+  built = build.BuiltVariant(pathlib.Path(meta["directory"]), meta)
+  assert built.dispatch_grid(8) == 8 * roles_v2.ROLE1_FUSED_CTAS_PER_SM
+  local = build.compile_variant("sm_90a", SMALL, cache_dir=cache)
+  assert local["roles"][0]["ctas_per_sm"] == 1
 
 
 @needs_dsl

@@ -44,8 +44,8 @@ def _weights(e: int, h: int, i: int, seed: int) -> formats.ExpertWeights:
 
 
 def measure(w: formats.ExpertWeights, top_k: int, ranks: int, batch: int, *, iters: int, clamp: float | None,
-            seed: int = 0) -> tuple[float, float, np.ndarray]:
-  """(fused seconds per step, one-rank seconds per step, global ids) of one point."""
+            seed: int = 0, reference: bool = True) -> tuple[float, float, np.ndarray]:
+  """(fused seconds per step, one-rank seconds per step (NaN without ``reference``), global ids) of one point."""
   t = ranks * batch
   rng = np.random.default_rng([seed, batch])
   ids, rw = make_routes(rng, "default", t, w.num_experts, top_k)
@@ -56,6 +56,8 @@ def measure(w: formats.ExpertWeights, top_k: int, ranks: int, batch: int, *, ite
     args = (split(x), split(ids), split(rw))
     vr.run(*args, repeat=max(2, iters // 10))
     _, fused = vr.run(*args, repeat=iters)
+  if not reference:
+    return fused, float("nan"), ids
   f = jax.jit(lambda x, w, i, wt: api.moe(x, w, api.Routes(i, wt), clamp=clamp, backend="cuda"))
   a = (x, w, jnp.asarray(ids), jnp.asarray(rw))
   f(*a).block_until_ready()
@@ -73,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--batch", default="1,2,4,8,16", help=f"tokens per rank, a comma list (at most {CAPACITY})")
   p.add_argument("--iters", type=int, default=200)
   p.add_argument("--clamp", type=float, default=10.0)
+  p.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
+                 help="also time one rank computing the whole layer (needs its local cubins; default on)")
   args = p.parse_args(argv)
   m = geometry.MODELS[args.model]
   local = m.E // 8
@@ -84,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
   print("| B per rank | floor us | fused, R virtual ranks us | one rank, whole layer us | fused / one rank | "
         "fused x floor |\n| --- | --- | --- | --- | --- | --- |", flush=True)
   for b in (int(v) for v in args.batch.split(",")):
-    fused, one, ids = measure(w, m.k, args.ranks, b, iters=args.iters, clamp=args.clamp)
+    fused, one, ids = measure(w, m.k, args.ranks, b, iters=args.iters, clamp=args.clamp, reference=args.reference)
     hit = np.unique(ids[ids >= 0])
     floor = np.bincount(hit // local, minlength=args.ranks).max() * routed_bytes / bandwidth
     print(f"| {b} | {floor * 1e6:.1f} | {fused * 1e6:.1f} | {one * 1e6:.1f} | {fused / one:.2f} | "

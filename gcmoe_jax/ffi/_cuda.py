@@ -140,7 +140,7 @@ def workspace_bytes(ws: abi.Workspace) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _register(arch: str, variant: build.Variant, dispatch_sms: int, compute_sms: int, timeout_ns: int,
-              peer_devices: tuple[int, ...] = (), role1_grid: int = 0) -> str:
+              peer_devices: tuple[int, ...] = (), partition_dispatch_sms: int = 0) -> str:
   ablation = _config.get("GCMOE_ABLATION")
   if ablation:
     # A timing build (docs/kernels_v2.md) must never pass for the operator: say so at every variant it serves.
@@ -153,11 +153,11 @@ def _register(arch: str, variant: build.Variant, dispatch_sms: int, compute_sms:
   config = (variant.capacity, dispatch_sms, timeout_ns, workspace_bytes(ws), ws.silu_table, compute_sms)
   launch = tuple(v for r in (1, 2, 3) for v in built.launch(r, compute_sms))
   if variant.ranks > 1:
-    # The fused transport: R and the CUDA ordinals of every peer group, group-major; role 1 takes one CTA per
-    # dispatch SM, its pulls spread over the partition (as in `VirtualRanks`).
+    # The fused transport: R and the CUDA ordinals of every peer group, group-major; role 1's pulls spread over the
+    # dispatch partition (`BuiltVariant.dispatch_grid`, as in `VirtualRanks`).
     key += ":peers" + ",".join(map(str, peer_devices))
     config += (variant.ranks, *peer_devices)
-    launch = (role1_grid, *launch[1:])
+    launch = (built.dispatch_grid(partition_dispatch_sms), *launch[1:])
   register_raw(key, config, launch, [built.cubin(r) for r in (1, 2, 3)], reference.silu_table(),
                built.tensormap_fields())
   return key

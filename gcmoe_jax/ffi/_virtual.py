@@ -100,8 +100,9 @@ class VirtualRanks:
     # The runtime's split (compute 0) takes as many groups per rank as fit, which is this split; the grids follow.
     d, c = split.dispatch_sms, split.compute_sms
     key = f"{build.cache_key(arch, self.variant)}:vr:d{d}:c{c}:t{timeout_ns}"
-    # Role 1 takes one CTA per dispatch SM (its copies spread over the partition); roles 2 and 3 as on one rank.
-    launch = (d, *built.launch(1)[1:], *built.launch(2, c), *built.launch(3, c))
+    # Role 1 spreads its copies over the dispatch partition (`BuiltVariant.dispatch_grid`); roles 2 and 3 as on one
+    # rank.
+    launch = (built.dispatch_grid(d), *built.launch(1)[1:], *built.launch(2, c), *built.launch(3, c))
     _cuda.register_raw(key, (capacity, d, timeout_ns, _cuda.workspace_bytes(ws), ws.silu_table, 0), launch,
                        [built.cubin(r) for r in (1, 2, 3)], reference.silu_table(), built.tensormap_fields())
     self.ranks, self.tokens, self.hidden, self.top_k = ranks, tokens, w.hidden, top_k
@@ -189,7 +190,8 @@ class VirtualRanks:
     return self.run(xs, ids, weights)[0]
 
   def stall(self, rank: int, expert: int) -> None:
-    """Test hook: rank ``rank``'s role 1 withholds its local ``expert`` from the next run on (-1: off)."""
+    """Test hook: rank ``rank``'s role 1 withholds its local ``expert`` from the next run on (-1: off;
+    `abi.STALL_CALL`: the rank never publishes its calls to the peers)."""
     fn = _lib().gcmoe_virtual_ranks_stall
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]

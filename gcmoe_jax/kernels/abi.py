@@ -60,7 +60,7 @@ HEADER = {
   "error_counter": 28,  # u32: what was awaited (role 2: the expert id, plus WAIT_GEMM1 / WAIT_XQ in v2; or
   #                      WAIT_SHARED + the token of a shared-expert GEMM2 item)
   "error_observed": 32,  # u32: the value seen last
-  "stall_expert": 36,  # i32: test hook: role 1 never publishes this expert (-1 = off)
+  "stall_expert": 36,  # i32: test hook: role 1 never publishes this expert (-1 = off; STALL_CALL: see there)
   "host_mirror": 40,  # u64: device address of the runtime's pinned host copy of this header (0 = none)
   # The fused transport (ranks > 1; docs/fused_transport.md), set once by the runtime before the first replay:
   "x_ready": 48,  # u32: epoch tag of this rank's call whose x, ids, route weights and T are published
@@ -82,6 +82,8 @@ WAIT_READY, WAIT_GEMM1, WAIT_XQ, WAIT_SHARED = 0, 0x10000, 0x20000, 0x30000
 WAIT_PEER, WAIT_RECEIVED, WAIT_RETURNS = 0x40000, 0x50000, 0x60000
 WAIT_RELAY = 0x70000  # a relay copier (role 2) waited for experts' GEMM2 items (observed: experts left)
 WAIT_PIPE = 0x80000  # role 2's K loop waited for a stage's copies or readers (observed: the K128 block)
+WAIT_GATE = 0x90000  # a role-1 CTA of the direct scan (B <= 2) waited for block 0's scan of the peers (role 4)
+STALL_CALL = -2  # stall_expert of a fused-transport rank that never publishes its call (x_ready) to the peers
 ROLE_TRANSPORT = 4  # error_role of a fused-transport wait that expired (error_counter: one of the three above)
 SILU_TABLE_ENTRIES = 1 << 16  # float32 silu(g) per BF16 bit pattern (reference.silu_table)
 ALIGN = 256
@@ -98,6 +100,10 @@ TIMELINE_BYTES = 8 * TL_CALLS * TL_CALL_WORDS
 
 def _align(n: int) -> int:
   return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _align4(n: int) -> int:
+  return (n + 3) // 4 * 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +153,12 @@ class Workspace:
   rxflag: int  # u32 [R capacity]
   rxsf: int  # u8 [R capacity, H / 32]
   grw: int  # f32 [R capacity * k]: route weight of each received assignment
+  # The packed routes: role 1's pulling warps store each global assignment's local expert (0xFF: none), so the
+  # expert lists are built from local memory (the peers' ids cross the fabric once).
+  rtags: int  # u8 [R capacity * k], padded to a word
+  # The direct scan (B <= 2): block 0 polls the peers and opens this gate (word 0: the epoch) with their T (words
+  # 1..R; -1: that peer's wait failed), so the other role-1 CTAs spin on local memory.
+  rgate: int  # i32 [1 + R]
   # The relay return path: GEMM2 rows parked position-major (global assignment g k + j) for the copier CTAs.
   relay_arena: int  # bf16 [R capacity * k, H]
   total: int  # bytes
@@ -230,6 +242,8 @@ def workspace_layout(experts: int, capacity: int, top_k: int, hidden: int, share
                      ("rxflag", rx * 4),
                      ("rxsf", rx * (hidden // 32)),
                      ("grw", 4 * capacity * ranks * top_k if fused else 0),
+                     ("rtags", _align4(capacity * ranks * top_k) if fused else 0),
+                     ("rgate", 4 * (1 + ranks) if fused else 0),
                      ("relay_arena", 2 * capacity * ranks * top_k * hidden if relay else 0)):
     sections[name] = off
     off = _align(off + size)

@@ -209,6 +209,11 @@ class BuiltVariant:
     grid = ctas * compute_sms if e["grid"] == 0 and ctas > 1 and compute_sms > 0 else e["grid"]
     return grid, e["block"], e["dynamic_smem"]
 
+  def dispatch_grid(self, dispatch_sms: int) -> int:
+    """Role 1's grid on ``dispatch_sms`` SMs where the variant spreads it over the partition (the fused
+    transport's pulls): the CTAs per SM it was built for, on each."""
+    return self.role(1).get("ctas_per_sm", 1) * dispatch_sms
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # Keys

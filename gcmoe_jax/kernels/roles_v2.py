@@ -97,6 +97,13 @@ W_BYTES_EXPANDED = TILE_M * 128
 SC_BYTES = TILE_M * 4
 # [ok, count, claimed item, -] and per-slot token/assignment/route-weight words, then the expert table
 CTRL_BYTES = 1024
+# The fused transport's role 1 (`RoleKernelsV2.role1_fused`, paper §4.5): CTAs per dispatch SM (more rows in flight;
+# the paper's dispatch grid takes up to 4), 16-byte loads per lane issued before their stores when a warp pulls a
+# peer row (the paper's register-batched pull path, 4 chunks there), and the batch size up to which only block 0
+# polls the peers (the direct scan of B <= 2).
+ROLE1_FUSED_CTAS_PER_SM = 2
+PULL_DEPTH = 12
+DIRECT_SCAN_TOKENS = 2
 CTL_CLAIM = 8  # the item this CTA claimed from the queue (`RoleKernelsV2._claim`)
 CTL_SLOT_SRC, CTL_SLOT_ASG, CTL_SLOT_RW = 16, 16 + 32 * NT_MAX, 16 + 64 * NT_MAX
 MAX_STAGES = 8
@@ -591,6 +598,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
 
   def ctas_per_sm(self, role: int) -> int:
     """CTAs of role ``role`` the kernel is built to co-schedule per SM (its grid is that times the compute SMs)."""
+    if role == 1:
+      return ROLE1_FUSED_CTAS_PER_SM if self.fused else 1
     return self.ctas if role == 2 else 1
 
   @cute.jit
@@ -624,17 +633,20 @@ class RoleKernelsV2(v1.RoleKernelsV1):
                   w13_scale: cute.Pointer, w2: cute.Pointer, w2_scale: cute.Pointer, s13: cute.Pointer,
                   s13_scale: cute.Pointer, s2: cute.Pointer, s2_scale: cute.Pointer, y: cute.Pointer,
                   workspace: cute.Pointer, tokens: Int32, clamp: Float32):
-    """Role 1 of the fused transport (R > 1, paper §4.5), every CTA of the dispatch partition:
+    """Role 1 of the fused transport (R > 1, paper §4.5), every CTA of the dispatch partition
+    (`ROLE1_FUSED_CTAS_PER_SM` per SM):
 
     1. block 0: this rank's ids >= L R are faults (role 1, as in v1);
     2. thread p waits (bounded) until rank p published this call (``x_ready >= cur``: its role 2 quantized x and
-       stored its ids, route weights and T); its T to SMEM;
-    3. a warp per global token g = p C + t: if one of its k ids is a local expert, its quantized row (digit planes,
-       exponent words, scale bytes, flag) is copied from rank p's workspace into ``rx*[g]`` (the pull cache keyed
-       by (rank, token): a row is pulled once whatever k of its routes land here);
-    4. each CTA counts itself done (release), block 0 waits for all, tags every global assignment with its local
-       expert in SMEM (and stores its route weight into ``grw``), then thread e lists expert e's rows in (rank,
-       token, slot) order and publishes ``ready[e] = cur`` as in v1.
+       stored its ids, route weights and T); its T to SMEM. With B <= `DIRECT_SCAN_TOKENS` (the direct scan) only
+       block 0 polls the peers, then opens the local ``rgate`` with their T, and the other CTAs wait on that;
+    3. a warp per global token g = p C + t reads its k ids and route weights from rank p once, stores each route's
+       local expert (or 0xFF) into ``rtags`` and its weight into ``grw`` (the packed routes), and if one is local
+       copies the token's quantized row (digit planes, exponent words, scale bytes, flag) from rank p's workspace
+       into ``rx*[g]`` with `PULL_DEPTH` 16-byte loads per lane in flight (the pull cache keyed by (rank, token): a
+       row is pulled once whatever k of its routes land here; without it, k < R, a warp per global route);
+    4. each CTA counts itself done (release), block 0 waits for all, copies ``rtags`` to SMEM, then thread e
+       lists expert e's rows in (rank, token, slot) order and publishes ``ready[e] = cur`` as in v1.
     """
     v, ws = self.v, self.ws
     tid, _, _ = cute.arch.thread_idx()
@@ -644,17 +656,20 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     lane = tid % 32
     smem = cute.arch.get_dyn_smem(Int32, alignment=128).toint()
     tags = smem + self.tags
-    n_tags = (self.rcap * v.top_k + 3) // 4 * 4
+    n_assign_all = self.rcap * v.top_k
+    n_tags = (n_assign_all + 3) // 4 * 4
     ranks, cap, k, local = v.ranks, v.capacity, v.top_k, v.experts
     wsb = workspace.toint()
     idb = ids.toint()
-    n_assign = cutlass.min(cutlass.max(tokens, 0), cap) * k
+    n_tok = cutlass.min(cutlass.max(tokens, 0), cap)
+    n_assign = n_tok * k
     cur = v1._ld(wsb + abi.HEADER["epoch"]) + 1
     par = cur & 1
     lo = v1._ld(wsb + abi.HEADER["rank"]) * local
     words = self.words
     received, _ = abi.fused_counters(local, cap, v.shared)
     counter = wsb + ws.counters + (Int64(par) * words + received) * v1.WORD_BYTES
+    gate = wsb + ws.rgate
     pub = Int64(par) * (cap * k)
     row_bytes = self.nblk_h * BLOCK_BYTES
     if bid == 0:
@@ -663,11 +678,29 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         if eid >= local * ranks:
           v1._record_fault(wsb, 1, bid, cur, eid, a)
     ok = Int32(1)
-    if tid < ranks:
-      pb = _peer(wsb, tid)
-      ok = self._wait_geq(pb + abi.HEADER["x_ready"], cur, wsb, cur, bid, abi.WAIT_PEER + tid, abi.ROLE_TRANSPORT,
-                          "sys")
-      _sts(smem + 16 + tid * 4, cutlass.select_(ok != 0, _ld_cg(pb + ws.pub_tokens + Int64(par) * 4), Int32(0)))
+    direct = n_tok <= DIRECT_SCAN_TOKENS
+    if direct & (bid != 0):
+      if tid == 0:
+        ok = self._wait_geq(gate, cur, wsb, cur, bid, Int32(abi.WAIT_GATE), abi.ROLE_TRANSPORT, patience=2)
+      ok = 1 - _bar_or(ok == 0)
+      if (ok != 0) & (tid < ranks):
+        tp = _ld_cg(gate + 4 + tid * 4)
+        ok = cutlass.select_(tp >= 0, Int32(1), Int32(0))
+        _sts(smem + 16 + tid * 4, cutlass.max(tp, 0))
+    else:
+      if tid < ranks:
+        pb = _peer(wsb, tid)
+        ok = self._wait_geq(pb + abi.HEADER["x_ready"], cur, wsb, cur, bid, abi.WAIT_PEER + tid,
+                            abi.ROLE_TRANSPORT, "sys")
+        tp = cutlass.select_(ok != 0, _ld_cg(pb + ws.pub_tokens + Int64(par) * 4), Int32(-1))
+        _sts(smem + 16 + tid * 4, cutlass.max(tp, 0))
+        if direct:
+          v1._st(gate + 4 + tid * 4, tp)
+      if direct:  # block 0 of the direct scan opens the gate, with the peers' T (or -1 where a wait failed)
+        cute.arch.sync_threads()
+        if tid == 0:
+          cute.arch.fence_acq_rel_gpu()
+          cute.arch.store(v1._gptr(gate), cur, sem="release", scope="gpu")
     ok = 1 - _bar_or(ok == 0)
     # With the pull cache a warp takes a global token and pulls its row once if any of its k routes is local;
     # without it (k < R) a warp takes a global route and pulls the row for that route alone.
@@ -679,18 +712,20 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         t = gt - p * cap
         pb = _peer(wsb, p)
         hit = Int32(0)
-        if (lane < (k if self.cache else 1)) & (t < _lds(smem + 16 + p * 4)):
-          gid = _ld_cg(pb + ws.pub_ids + (pub + t * k + (lane if self.cache else gr - gt * k)) * v1.WORD_BYTES)
-          hit = cutlass.select_((gid >= lo) & (gid < lo + local), Int32(1), Int32(0))
+        if lane < (k if self.cache else 1):
+          a = gt * k + (lane if self.cache else gr - gt * k)  # the global assignment this lane reads
+          tag = Int32(0xFF)
+          if t < _lds(smem + 16 + p * 4):
+            at = pub + (a - gt * k) + t * k
+            gid = _ld_cg(pb + ws.pub_ids + at * v1.WORD_BYTES)
+            rw = _ld_cg(pb + ws.pub_rw + at * v1.WORD_BYTES)
+            if (gid >= lo) & (gid < lo + local):
+              hit = Int32(1)
+              tag = gid - lo
+              v1._st(wsb + ws.grw + Int64(a) * v1.WORD_BYTES, rw)
+          _st_u8(wsb + ws.rtags + Int64(a), tag)
         if _warp_any(hit) != 0:
-          for c in range(lane, row_bytes // 16, 32):
-            _copy16(wsb + ws.rxplanes + Int64(gr) * row_bytes + c * 16, pb + ws.xplanes + Int64(t) * row_bytes + c * 16)
-          for c in range(lane, self.nblk_h // 4, 32):
-            _copy16(wsb + ws.rxexp + (Int64(gr) * self.nblk_h + 4 * c) * 4,
-                    pb + ws.xexp + (Int64(t) * self.nblk_h + 4 * c) * 4)
-            v1._st(wsb + ws.rxsf + Int64(gr) * self.nblk_h + 4 * c, _ld_cg(pb + ws.xsf + Int64(t) * self.nblk_h + 4 * c))
-          if lane == 0:
-            v1._st(wsb + ws.rxflag + Int64(gr) * 4, _ld_cg(pb + ws.xflag + Int64(t) * 4))
+          self._pull_row(wsb, pb, gr, t, lane)
     cute.arch.sync_threads()
     if (tid == 0) & (ok != 0):  # a CTA whose wait failed never counts itself: block 0's wait then ends on the fault
       cute.arch.fence_acq_rel_gpu()
@@ -701,18 +736,12 @@ class RoleKernelsV2(v1.RoleKernelsV1):
           ok = self._wait_geq(counter, Int32(grid), wsb, cur, bid, Int32(abi.WAIT_RECEIVED), abi.ROLE_TRANSPORT)
       ok = 1 - _bar_or(ok == 0)
       if ok != 0:
-        for i in range(tid, n_tags, THREADS):
-          tag = Int32(0xFF)
-          gt = i // k
-          p = gt // cap
-          t = gt - p * cap
-          if (gt < ranks * cap) & (t < _lds(smem + 16 + cutlass.min(p, Int32(ranks - 1)) * 4)):
-            at = pub + t * k + (i - gt * k)
-            gid = _ld_cg(_peer(wsb, p) + ws.pub_ids + at * v1.WORD_BYTES)
-            if (gid >= lo) & (gid < lo + local):
-              tag = gid - lo
-              v1._st(wsb + ws.grw + Int64(i) * v1.WORD_BYTES, _ld_cg(_peer(wsb, p) + ws.pub_rw + at * v1.WORD_BYTES))
-          _sts_u8(tags + i, tag)
+        for w in range(tid, n_tags // 4, THREADS):
+          word = _ld_cg(wsb + ws.rtags + Int64(w) * 4)
+          if cutlass.const_expr(n_tags != n_assign_all):  # the last word's padding bytes are no route
+            if w == n_tags // 4 - 1:
+              word = word | Int32(-(1 << (8 * (4 - (n_tags - n_assign_all)))))
+          _sts(tags + w * 4, word)
       cute.arch.sync_threads()
       if ok != 0:
         stall = v1._ld(wsb + abi.HEADER["stall_expert"])
@@ -728,6 +757,60 @@ class RoleKernelsV2(v1.RoleKernelsV1):
           v1._st(wsb + ws.count + Int64(e) * v1.WORD_BYTES, count)
           if e != stall:
             cute.arch.store(v1._gptr(wsb + ws.ready + Int64(e) * v1.WORD_BYTES), cur, sem="release", scope="gpu")
+
+  @cute.jit
+  def _pull_row(self, wsb: Int64, pb: Int64, gr: Int32, t: Int32, lane: Int32):
+    """One warp copies token ``t``'s quantized row from the peer at ``pb`` into received row ``gr``: the digit
+    planes and exponent words as 16-byte chunks, `PULL_DEPTH` loads per lane issued before their stores (a fabric
+    round trip per batch, not per chunk), then the scale bytes and the flag as words."""
+    ws = self.ws
+    n_planes = self.nblk_h * BLOCK_BYTES // 16
+    n_chunks = n_planes + self.nblk_h // 4
+    per_lane = -(-n_chunks // 32)
+    rounds = -(-per_lane // PULL_DEPTH)
+    depth = -(-per_lane // rounds)
+    src_p = pb + ws.xplanes + Int64(t) * (n_planes * 16)
+    dst_p = wsb + ws.rxplanes + Int64(gr) * (n_planes * 16)
+    src_e = pb + ws.xexp + Int64(t) * (self.nblk_h * 4) - n_planes * 16
+    dst_e = wsb + ws.rxexp + Int64(gr) * (self.nblk_h * 4) - n_planes * 16
+    for r in cutlass.range_constexpr(rounds):
+      vals = []
+      for d in cutlass.range_constexpr(depth):
+        i = r * depth + d
+        c = cutlass.min(lane + 32 * i, n_chunks - 1)  # a lane past the end reloads the last chunk (not stored)
+        if cutlass.const_expr(32 * i + 31 < n_planes):
+          src = src_p + c * 16
+        elif cutlass.const_expr(32 * i >= n_planes):
+          src = src_e + c * 16
+        else:
+          src = cutlass.select_(c < n_planes, src_p, src_e) + c * 16
+        vals.append(v1._ld_cg_v4(src))
+      for d in cutlass.range_constexpr(depth):
+        i = r * depth + d
+        c = lane + 32 * i
+        dst = dst_p + c * 16
+        if cutlass.const_expr(32 * i >= n_planes):
+          dst = dst_e + c * 16
+        elif cutlass.const_expr(32 * i + 31 >= n_planes):
+          dst = cutlass.select_(c < n_planes, dst_p, dst_e) + c * 16
+        if cutlass.const_expr(32 * i + 31 < n_chunks):
+          v1._st_v4(dst, *vals[d])
+        else:
+          if c < n_chunks:
+            v1._st_v4(dst, *vals[d])
+    # Scale bytes (a word per 4 K32 blocks) and the flag (word n_sf): one batch.
+    n_sf = self.nblk_h // 4
+    sf_lane = -(-(n_sf + 1) // 32)
+    vals = []
+    for d in cutlass.range_constexpr(sf_lane):
+      c = cutlass.min(lane + 32 * d, n_sf)
+      src = cutlass.select_(c < n_sf, pb + ws.xsf + Int64(t) * self.nblk_h + c * 4, pb + ws.xflag + Int64(t) * 4)
+      vals.append(_ld_cg(src))
+    for d in cutlass.range_constexpr(sf_lane):
+      c = lane + 32 * d
+      if c <= n_sf:
+        dst = cutlass.select_(c < n_sf, wsb + ws.rxsf + Int64(gr) * self.nblk_h + c * 4, wsb + ws.rxflag + Int64(gr) * 4)
+        v1._st(dst, vals[d])
 
   # ////////////////////////////////////////////////////////////////////////////////////////////////////////////////
 
@@ -790,7 +873,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     if tid == 0:
       ok = self._wait_geq(counters + v.experts * v1.WORD_BYTES, grid32, wsb, cur, bid, abi.WAIT_XQ)
       if cutlass.const_expr(self.fused):
-        if (bid == 0) & (ok != 0):  # every CTA's x and routes are in: the peers may read them
+        # Every CTA's x and routes are in: the peers may read them (unless the test hook withholds the call).
+        if (bid == 0) & (ok != 0) & (v1._ld(wsb + abi.HEADER["stall_expert"]) != abi.STALL_CALL):
           _fence_sys()
           _st_release_sys(wsb + abi.HEADER["x_ready"], cur)
     ok = 1 - _bar_or(ok == 0)
@@ -1043,12 +1127,16 @@ class RoleKernelsV2(v1.RoleKernelsV1):
 
   @cute.jit
   def _wait_geq(self, addr: Int64, target: Int32, wsb: Int64, cur: Int32, bid: Int32, what: Int32,
-                role: cutlass.Constexpr = 2, scope: cutlass.Constexpr = "gpu") -> Int32:
+                role: cutlass.Constexpr = 2, scope: cutlass.Constexpr = "gpu",
+                patience: cutlass.Constexpr = 1) -> Int32:
     """One thread: bounded acquire-spin until the counter at ``addr`` reaches ``target``; 1 if it did, else 0
     (a timeout is recorded as ``role`` with counter ``what``; another CTA's fault ends the wait too). ``scope``
-    "sys": a counter or flag a peer (maybe another GPU) writes."""
+    "sys": a counter or flag a peer (maybe another GPU) writes. ``patience``: the bound in timeouts (a wait on a
+    thread that itself waits with the plain bound takes 2, so that thread's diagnostic is the one recorded)."""
     flag = v1._gptr(wsb + abi.HEADER["error_flag"])
     timeout = v1._ld(wsb + abi.HEADER["timeout_ns"], cutlass.Uint64)
+    if cutlass.const_expr(patience != 1):
+      timeout = timeout * patience
     start = cute.arch.globaltimer()
     seen = cute.arch.load(v1._gptr(addr), Int32, sem="acquire", scope=scope)
     fault = cute.arch.load(flag, Int32, sem="relaxed", scope="gpu")
