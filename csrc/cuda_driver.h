@@ -69,7 +69,10 @@ namespace gcmoe {
   X(cuMemcpyDtoH) \
   X(cuStreamDestroy) \
   X(cuStreamCreate) \
-  X(cuTensorMapEncodeTiled)
+  X(cuTensorMapEncodeTiled) \
+  X(cuIpcGetMemHandle) \
+  X(cuIpcOpenMemHandle) \
+  X(cuIpcCloseMemHandle)
 
 struct CudaDriver {
 #define GCMOE_CUDA_DRIVER_MEMBER(name) decltype(&::name) name = nullptr;

@@ -251,21 +251,37 @@ std::string InitWorkspace(const CudaDriver& cu, CUdeviceptr ws, const VariantSpe
 // workspaces from their first call on, so every workspace (zeroed, header with its rank and the peer table, silu
 // table) must exist before any rank launches. Peer access is enabled between every pair; a pair without it fails
 // with a message naming the devices.
+//
+// Across processes (CUDA IPC; one device per process in a group, registered as -(1 + its process index) for the
+// others): this process's rank allocates and initialises its own workspace and exports its IPC handle (ExportIpc),
+// the processes exchange the handles before the first call (gcmoe_jax.ffi, through jax.distributed's key-value
+// store: a handle is published only after its workspace was initialised), and ConnectIpc opens every peer's and
+// writes the peer table. The runtime then finds the group by (variant, device). Such a group lives until the
+// process exits: the peers may read its workspace as long as they run, and nothing tells this process when they stop.
 class PeerGroup {
  public:
   static std::shared_ptr<PeerGroup> Get(const CudaDriver& cu, const std::shared_ptr<const VariantSpec>& spec,
                                         const std::vector<int32_t>& ordinals, std::string* error);
+  static std::string ExportIpc(const CudaDriver& cu, const VariantSpec& spec, int ordinal, int rank,
+                               CUipcMemHandle* handle);
+  static std::string ConnectIpc(const VariantSpec& spec, int ordinal, const std::vector<CUipcMemHandle>& handles);
+  static std::shared_ptr<PeerGroup> FindIpc(const VariantSpec& spec, int ordinal, int rank, std::string* error);
   ~PeerGroup();
   CUdeviceptr workspace(int rank) const { return ws_[rank]; }
 
  private:
   explicit PeerGroup(const CudaDriver& cu) : cu_(cu) {}
   std::string Init(const VariantSpec& s, const std::vector<int32_t>& ordinals);
+  using IpcKey = std::pair<Digest, int>;  // (variant digest, this process's device ordinal)
+  static std::map<IpcKey, std::shared_ptr<PeerGroup>>& IpcGroups();  // guarded by IpcMutex()
+  static std::mutex& IpcMutex();
 
   const CudaDriver& cu_;
   std::vector<CUdevice> device_;
   std::vector<CUcontext> primary_;  // retained for the group's life
   std::vector<CUdeviceptr> ws_;
+  int ipc_rank_ = -1;      // across processes: this process's rank (its workspace is the one allocated here)
+  bool connected_ = false;  // across processes: the peers' workspaces are open and the peer table written
 };
 
 std::shared_ptr<PeerGroup> PeerGroup::Get(const CudaDriver& cu, const std::shared_ptr<const VariantSpec>& spec,
@@ -328,6 +344,23 @@ std::string PeerGroup::Init(const VariantSpec& s, const std::vector<int32_t>& or
 }
 
 PeerGroup::~PeerGroup() {
+  if (ipc_rank_ >= 0) {  // the peers' workspaces were opened in this rank's context
+    const size_t me = static_cast<size_t>(ipc_rank_);
+    if (primary_[me] == nullptr) return;
+    {
+      ScopedContext current(cu_, primary_[me]);
+      for (size_t p = 0; p < ws_.size(); ++p) {
+        if (ws_[p] == 0) continue;
+        if (p == me) {
+          cu_.cuMemFree(ws_[p]);
+        } else {
+          cu_.cuIpcCloseMemHandle(ws_[p]);
+        }
+      }
+    }
+    cu_.cuDevicePrimaryCtxRelease(device_[me]);
+    return;
+  }
   for (size_t p = 0; p < primary_.size(); ++p) {
     if (primary_[p] == nullptr) continue;
     {
@@ -336,6 +369,103 @@ PeerGroup::~PeerGroup() {
     }
     cu_.cuDevicePrimaryCtxRelease(device_[p]);
   }
+}
+
+std::map<PeerGroup::IpcKey, std::shared_ptr<PeerGroup>>& PeerGroup::IpcGroups() {
+  static auto* groups = new std::map<IpcKey, std::shared_ptr<PeerGroup>>;  // never destroyed: see the class comment
+  return *groups;
+}
+
+std::mutex& PeerGroup::IpcMutex() {
+  static auto* mutex = new std::mutex;
+  return *mutex;
+}
+
+std::string PeerGroup::ExportIpc(const CudaDriver& cu, const VariantSpec& s, int ordinal, int rank,
+                                 CUipcMemHandle* handle) {
+  if (s.ranks < 2 || rank < 0 || rank >= s.ranks) {
+    return "gcmoe_ipc_export: rank " + std::to_string(rank) + " of a variant of R = " + std::to_string(s.ranks) +
+           " ranks; expected R >= 2 and a rank in [0, R)";
+  }
+  std::lock_guard<std::mutex> lock(IpcMutex());
+  std::shared_ptr<PeerGroup>& group = IpcGroups()[IpcKey(s.digest, ordinal)];
+  if (group != nullptr && group->ipc_rank_ != rank) {
+    return "gcmoe_ipc_export: device " + std::to_string(ordinal) + " already exported this variant as rank " +
+           std::to_string(group->ipc_rank_) + ", not " + std::to_string(rank);
+  }
+  if (group == nullptr) {
+    std::shared_ptr<PeerGroup> g(new PeerGroup(cu));
+    const auto& cu_ = cu;  // for GCMOE_CU
+    const size_t r = static_cast<size_t>(s.ranks), me = static_cast<size_t>(rank);
+    g->device_.assign(r, 0);
+    g->primary_.assign(r, nullptr);
+    g->ws_.assign(r, 0);
+    g->ipc_rank_ = rank;
+    GCMOE_CU(cu.cuDeviceGet(&g->device_[me], ordinal));
+    GCMOE_CU(cu.cuDevicePrimaryCtxRetain(&g->primary_[me], g->device_[me]));
+    ScopedContext current(cu, g->primary_[me]);
+    GCMOE_CU(current.status());
+    GCMOE_CU(cu.cuMemAlloc(&g->ws_[me], static_cast<size_t>(s.ws_total)));
+    WorkspaceHeader header{};
+    header.rank = static_cast<uint32_t>(rank);
+    header.peers[me] = g->ws_[me];
+    std::string err = InitWorkspace(cu, g->ws_[me], s, header);
+    if (!err.empty()) return err;
+    group = std::move(g);
+  }
+  const auto& cu_ = cu;
+  ScopedContext current(cu, group->primary_[rank]);
+  GCMOE_CU(current.status());
+  GCMOE_CU(cu.cuIpcGetMemHandle(handle, group->ws_[rank]));
+  return "";
+}
+
+std::string PeerGroup::ConnectIpc(const VariantSpec& s, int ordinal, const std::vector<CUipcMemHandle>& handles) {
+  std::lock_guard<std::mutex> lock(IpcMutex());
+  auto it = IpcGroups().find(IpcKey(s.digest, ordinal));
+  if (it == IpcGroups().end()) {
+    return "gcmoe_ipc_connect: device " + std::to_string(ordinal) + " exported no workspace of this variant "
+           "(gcmoe_ipc_export first)";
+  }
+  PeerGroup& g = *it->second;
+  if (handles.size() != g.ws_.size()) {
+    return "gcmoe_ipc_connect: " + std::to_string(handles.size()) + " handles for a group of " +
+           std::to_string(g.ws_.size()) + " ranks";
+  }
+  if (g.connected_) return "";
+  const CudaDriver& cu_ = g.cu_;
+  const size_t me = static_cast<size_t>(g.ipc_rank_);
+  ScopedContext current(cu_, g.primary_[me]);
+  GCMOE_CU(current.status());
+  WorkspaceHeader header{};
+  for (size_t p = 0; p < handles.size(); ++p) {
+    if (p != me) {
+      const CUresult rc = cu_.cuIpcOpenMemHandle(&g.ws_[p], handles[p], CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+      if (rc != CUDA_SUCCESS) {
+        g.ws_[p] = 0;
+        return CudaErrorMessage(cu_, rc, ("cuIpcOpenMemHandle(rank " + std::to_string(p) + "'s workspace)").c_str(),
+                                __FILE__, __LINE__) +
+               "; the fused transport across processes needs CUDA IPC between their GPUs: use transport='collective'";
+      }
+    }
+    header.peers[p] = g.ws_[p];
+  }
+  GCMOE_CU(cu_.cuMemcpyHtoD(g.ws_[me] + offsetof(WorkspaceHeader, peers), header.peers,
+                            handles.size() * sizeof(header.peers[0])));
+  g.connected_ = true;
+  return "";
+}
+
+std::shared_ptr<PeerGroup> PeerGroup::FindIpc(const VariantSpec& s, int ordinal, int rank, std::string* error) {
+  std::lock_guard<std::mutex> lock(IpcMutex());
+  auto it = IpcGroups().find(IpcKey(s.digest, ordinal));
+  if (it == IpcGroups().end() || !it->second->connected_ || it->second->ipc_rank_ != rank) {
+    *error = "gcmoe_moe: the fused transport's rank " + std::to_string(rank) + " on device " +
+             std::to_string(ordinal) + " has peers in other processes, and their workspaces were not exchanged "
+             "before this call (gcmoe_jax.ffi.moe_fused_call exchanges them when the call is lowered)";
+    return nullptr;
+  }
+  return it->second;
 }
 
 // The group (of `spec->peer_devices`) holding `device` and its rank there; "" or why none.
@@ -383,7 +513,11 @@ std::shared_ptr<Runtime> Runtime::Get(const CudaDriver& cu, std::shared_ptr<cons
   if (spec->ranks > 1) {  // the fused transport: this rank's workspace is its group's (every device in one group)
     std::vector<int32_t> group;
     *error = FindPeerGroup(*spec, device, &group, &rt->rank_);
-    if (error->empty()) rt->group_ = PeerGroup::Get(cu, spec, group, error);
+    const bool across = std::any_of(group.begin(), group.end(), [](int32_t d) { return d < 0; });
+    if (error->empty()) {
+      rt->group_ = across ? PeerGroup::FindIpc(*spec, static_cast<int>(device), rt->rank_, error)
+                          : PeerGroup::Get(cu, spec, group, error);
+    }
     if (!error->empty()) {
       cache.entries.erase(key);
       return nullptr;
@@ -772,15 +906,36 @@ GCMOE_EXPORT int gcmoe_register_variant(const char* key, const int64_t* config, 
   const int64_t ranks = num_config > 6 ? config[6] : 1;
   const int64_t num_devices = num_config > 7 ? num_config - 7 : 0;
   std::vector<int32_t> peer_devices(config + std::min<int64_t>(num_config, 7), config + num_config);
-  std::vector<int32_t> sorted = peer_devices;
-  std::sort(sorted.begin(), sorted.end());
-  const bool unique = std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end();
+  // This process's devices (ordinals >= 0) at most once in all; a device of another process is -(1 + its process
+  // index), at most once per group, and a group with one has at most one of this process's (CUDA IPC, not peer
+  // access, connects it).
+  std::vector<int32_t> local;
+  bool groups_ok = ranks >= 2 || num_devices == 0;
+  for (int64_t g = 0; ranks >= 2 && g + ranks <= num_devices; g += ranks) {
+    std::vector<int32_t> remote;
+    int64_t mine = 0;
+    for (int64_t i = g; i < g + ranks; ++i) {
+      const int32_t d = peer_devices[static_cast<size_t>(i)];
+      if (d >= 0) {
+        local.push_back(d);
+        ++mine;
+      } else {
+        remote.push_back(d);
+      }
+    }
+    std::sort(remote.begin(), remote.end());
+    groups_ok = groups_ok && std::adjacent_find(remote.begin(), remote.end()) == remote.end() &&
+                (remote.empty() || mine <= 1);
+  }
+  std::sort(local.begin(), local.end());
+  const bool unique = std::adjacent_find(local.begin(), local.end()) == local.end();
   if (ranks < 1 || ranks > gcmoe::kMaxRanks || (ranks == 1) != (num_devices == 0) ||
-      (ranks > 1 && num_devices % ranks != 0) || !unique || (!sorted.empty() && sorted.front() < 0)) {
+      (ranks > 1 && num_devices % ranks != 0) || !unique || !groups_ok) {
     return gcmoe::FailWith("gcmoe_register_variant: the fused transport needs R in [2, " +
-                               std::to_string(gcmoe::kMaxRanks) + "] and its peer groups' device ordinals (R per "
-                               "group, each at most once); got R = " + std::to_string(ranks) + " and " +
-                               std::to_string(num_devices) + " ordinals",
+                               std::to_string(gcmoe::kMaxRanks) + "] and its peer groups' devices (R per group: "
+                               "this process's CUDA ordinals, each at most once; a device of process p as -(1 + p), "
+                               "at most once per group, beside at most one of this process's); got R = " +
+                               std::to_string(ranks) + " and " + std::to_string(num_devices) + " devices",
                            error, error_size);
   }
   const int num_maps = num_tensormap_values / gcmoe::kTensorMapFields;
@@ -836,6 +991,37 @@ GCMOE_EXPORT int gcmoe_register_variant(const char* key, const int64_t* config, 
   spec->silu_table.assign(silu_table, silu_table + silu_entries);
   gcmoe::RegisterVariant(key, std::move(spec));
   return 0;
+}
+
+// The fused transport across processes (docs/fused_transport.md): this process's rank `rank` of a group of variant
+// `key`, on CUDA device ordinal `device`, allocates and initialises its workspace (once; later calls return the same
+// handle) and writes its CUDA IPC handle (64 bytes) to `handle`. Before the variant's first call, outside capture.
+GCMOE_EXPORT int gcmoe_ipc_export(const char* key, int device, int rank, uint8_t* handle, char* error,
+                                  int error_size) {
+  std::string why;
+  const gcmoe::CudaDriver* cu = gcmoe::GetCudaDriver(&why);
+  std::shared_ptr<const gcmoe::VariantSpec> spec = gcmoe::FindVariant(key);
+  if (cu != nullptr && spec == nullptr) why = std::string("gcmoe_ipc_export: no variant registered as ") + key;
+  CUipcMemHandle h{};
+  if (why.empty()) why = gcmoe::PeerGroup::ExportIpc(*cu, *spec, device, rank, &h);
+  if (!why.empty()) return gcmoe::FailWith(why, error, error_size);
+  std::memcpy(handle, h.reserved, sizeof(h.reserved));
+  return 0;
+}
+
+// Opens the workspaces of the other `ranks` - 1 ranks of this process's group of `key` on `device` from `handles`
+// (`ranks` x 64 bytes in rank order; this rank's own entry is not read) and writes its peer table. Once per group;
+// the variant's calls on `device` may run after it.
+GCMOE_EXPORT int gcmoe_ipc_connect(const char* key, int device, const uint8_t* handles, int ranks, char* error,
+                                   int error_size) {
+  std::shared_ptr<const gcmoe::VariantSpec> spec = gcmoe::FindVariant(key);
+  if (spec == nullptr) {
+    return gcmoe::FailWith(std::string("gcmoe_ipc_connect: no variant registered as ") + key, error, error_size);
+  }
+  std::vector<CUipcMemHandle> h(static_cast<size_t>(std::max(ranks, 0)));
+  for (size_t p = 0; p < h.size(); ++p) std::memcpy(h[p].reserved, handles + 64 * p, sizeof(h[p].reserved));
+  const std::string why = gcmoe::PeerGroup::ConnectIpc(*spec, device, h);
+  return why.empty() ? 0 : gcmoe::FailWith(why, error, error_size);
 }
 
 // How many graphs were instantiated in this process (tests: one per shape and device, never per call).

@@ -235,7 +235,8 @@ def moe(x: jax.Array, w: ExpertWeights, routes: Routes, *, clamp: float | None =
     TypeError, ValueError: for arguments outside Table 10 (at trace time), or expert ids >= E when they are
       concrete; ValueError for ``transport="fused"`` inside shard_map without a mesh, or with one that lacks
       ``axis_name`` or is shaped unlike the shard_map's. RuntimeError: when a named backend cannot run here (the
-      reason is in the message). NotImplementedError: ``transport="fused"`` over devices of other processes.
+      reason is in the message). NotImplementedError: ``transport="fused"`` over a peer group with devices of
+      other processes and more than one of this process's (one device per process, or all in one process).
   """
   _check_args(x, w, routes, clamp, backend)
   explanation = explain(backend)

@@ -38,10 +38,12 @@ def _free_port() -> int:
 
 
 def launch(ranks: int, *args: str, per_process: bool, deadline_s: float = 240, cpu: bool = False,
-           **env: str) -> list[tuple[int, str]]:
+           same_gpu: bool = False, **env: str) -> list[tuple[int, str]]:
   """Runs this script as ``ranks`` processes (``per_process``: one per device, `jax.distributed` over a coordinator
   on localhost) or as one process driving ``ranks`` devices, and returns each process's (exit code, output).
-  ``cpu``: CPU devices (``--backend cpu``, gloo collectives across processes) instead of GPUs.
+  ``cpu``: CPU devices (``--backend cpu``, gloo collectives across processes) instead of GPUs. ``same_gpu``: every
+  process sees GPU 0 (ranks of one GPU in several processes: the fused transport's CUDA IPC path on one GPU; the
+  processes' kernels share the GPU by time slices, so waits need a generous GCMOE_WAIT_TIMEOUT_MS).
 
   Raises:
     TimeoutError: a process still running at the deadline (all are killed first), with its output's tail.
@@ -57,7 +59,8 @@ def launch(ranks: int, *args: str, per_process: bool, deadline_s: float = 240, c
   if per_process:
     port = _free_port()
     cmds = [([sys.executable, str(me), *args, "--coordinator", f"localhost:{port}", "--num-processes", str(ranks),
-              "--process-id", str(i)], {**base, "CUDA_VISIBLE_DEVICES": str(i)}) for i in range(ranks)]
+              "--process-id", str(i)], {**base, "CUDA_VISIBLE_DEVICES": "0" if same_gpu else str(i)})
+            for i in range(ranks)]
   else:
     devices = {"XLA_FLAGS": f"{base.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={ranks}"} if cpu \
         else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(ranks)))}
@@ -96,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--fault-rank", type=int, default=1)
   p.add_argument("--exchange", type=int, default=0, help="instead of steps: this many `sharding._peers` exchanges")
   p.add_argument("--exchange-timeout-ms", type=int, default=30_000)
+  p.add_argument("--shared-intermediate", type=int, default=256, help="the shared expert's I (0: none)")
   args = p.parse_args(argv)
 
   import jax
@@ -119,12 +123,13 @@ def main(argv: list[str] | None = None) -> int:
   ranks = len(gpus)
   me = jax.process_index()
   mesh = jax.sharding.Mesh(np.array(gpus), ("ep",), axis_types=(AxisType.Explicit,))  # rank r is gpus[r]
-  shape = Shape(experts=8 * ranks, hidden=512, intermediate=256, top_k=4, tokens=4 * ranks, shared_intermediate=256)
+  shape = Shape(experts=8 * ranks, hidden=512, intermediate=256, top_k=4, tokens=4 * ranks,
+                shared_intermediate=args.shared_intermediate or None)
   rng = np.random.default_rng(1234)
   w13, w2, shared = make_weights(rng, shape)
   local = jax.local_devices()[0]
   w = jax.device_put(formats.quantize_experts(jax.device_put(w13, local), jax.device_put(w2, local),
-                                              shared=jax.device_put(shared, local)), local)
+                                              shared=None if shared is None else jax.device_put(shared, local)), local)
   w_host = jax.tree_util.tree_map(np.asarray, w)
 
   def global_array(value, s):
@@ -134,10 +139,20 @@ def main(argv: list[str] | None = None) -> int:
   tokens = NamedSharding(mesh, P("ep"))
 
   def body(x, w, ids, wt):
-    return gm.moe(x, w, gm.Routes(ids, wt), clamp=10.0, backend=args.backend, axis_name="ep", transport=args.transport)
+    return gm.moe(x, w, gm.Routes(ids, wt), clamp=10.0, backend=args.backend, axis_name="ep", transport=args.transport,
+                  mesh=mesh if args.transport == "fused" else None)
 
   step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"), sharding.expert_specs(w), P("ep"), P("ep")),
                                out_specs=P("ep")))
+  if args.transport == "fused" and jax.process_count() > 1:
+    # A rank's first call waits (bounded) for its peers' first publications: compile ahead and meet at a barrier,
+    # so no process is still compiling while another's kernels wait for it.
+    x0 = np.zeros((shape.tokens, shape.hidden), jnp.bfloat16)
+    i0 = np.zeros((shape.tokens, shape.top_k), np.int32)
+    step = step.lower(global_array(x0, tokens), w_global, global_array(i0, tokens),
+                      global_array(np.zeros(i0.shape, np.float32), tokens)).compile()
+    from gcmoe_jax import _compat
+    _compat.distributed_client().wait_at_barrier("ep_worker_compiled", 120_000)
   oracle = jax.jit(reference.moe_emulated, static_argnames=("clamp",))
   fault_device = gpus[args.fault_rank]
   stall_expert = 1  # local expert 1 of the faulty rank: global expert L * rank + 1

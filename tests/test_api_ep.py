@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 import gcmoe_jax as gm
 from conftest import SMALL, quantized
 from gcmoe_jax import reference, sharding
+from gcmoe_jax.sharding import _peers
 from gcmoe_jax.bench.problems import make_problem
 
 R = 4
@@ -159,7 +160,8 @@ def test_fused_transport_lowers_one_fused_call_per_rank_with_the_meshs_peer_grou
   x, w, r, _ = problem
   seen = []
 
-  def fake(x, w_local, ids, weights, *, clamp, peer_groups):
+  def fake(x, w_local, ids, weights, *, clamp, peer_groups, exchange):
+    assert exchange is _peers.exchange
     seen.append((x.shape, int(w_local.w13.shape[0]), ids.shape, peer_groups, clamp))
     return jnp.where(ids.max(axis=1, keepdims=True) < 0, 0.0, 1.0).astype(jnp.bfloat16) + jnp.zeros_like(x)
 
@@ -231,7 +233,8 @@ def _fake_fused_call(seen, received=None):
   its ids."""
   import jax.numpy as jnp
 
-  def fake(x, w_local, ids, weights, *, clamp, peer_groups):
+  def fake(x, w_local, ids, weights, *, clamp, peer_groups, exchange):
+    assert exchange is _peers.exchange  # the handles of groups across processes travel through jax.distributed
     seen.append((x.shape, int(w_local.w13.shape[0]), w_local.num_experts, ids.shape, peer_groups, clamp))
     if received is not None:
       jax.debug.callback(lambda a: received.append(np.asarray(a)), ids)
@@ -343,7 +346,9 @@ def test_fused_inside_shard_map_lowers_to_one_gcmoe_custom_call_and_no_all_to_al
   x, w, r, _ = problem
   prepared = []
 
-  def prepare(hidden, intermediate, experts, top_k, tokens, shared_intermediate, shared_group, peer_groups=()):
+  def prepare(hidden, intermediate, experts, top_k, tokens, shared_intermediate, shared_group, peer_groups=(),
+              exchange=None):
+    assert exchange is (_peers.exchange if peer_groups else None)
     prepared.append((experts, top_k, tokens, peer_groups))
     return "fused-test-variant"
 
@@ -434,18 +439,40 @@ def test_fused_inside_shard_map_mesh_errors(problem, monkeypatch, case, exc, mat
       _trace_fused(problem, ep4, axis_mesh=ep4, capacity=4)
 
 
-def test_fused_inside_shard_map_refuses_devices_of_other_processes(problem, monkeypatch):
-  """`peer_groups`' NotImplementedError, seen from the body: here every device looks remote to 'process 1'."""
+def test_fused_inside_shard_map_refuses_a_group_of_several_devices_of_another_process(problem, monkeypatch):
+  """`peer_groups`' NotImplementedError, seen from the body: here every device looks like one of 'process 0' to
+  'process 1', four in one group (one device per process, or all in one, is what the transport connects)."""
   from gcmoe_jax import ffi
   monkeypatch.setattr(ffi, "moe_fused_call", _fake_fused_call([]))
   mesh = jax.make_mesh((4,), ("ep",), devices=jax.devices("cpu")[:4])
   x, w, r, _ = problem
   args = _placed(mesh, x, w, r)
   monkeypatch.setattr(jax, "process_index", lambda *a: 1)
-  with pytest.raises(NotImplementedError, match=r"moe: transport='fused' runs within one process driving its "
-                                                r"GPUs; mesh axis 'ep' holds devices of other processes \(.* is on "
-                                                r"process 0\)"):
+  with pytest.raises(NotImplementedError, match=r"moe: transport='fused' connects the devices of a peer group either "
+                                                r"within one process \(peer access\) or one device per process "
+                                                r"\(CUDA IPC\); mesh axis 'ep' has a group on processes \[0, 0, 0, "
+                                                r"0\]"):
     _fused_stats_program(w, mesh, mesh).trace(*args)
+
+
+@pytest.mark.parametrize("me, want", [
+  (0, ((0, -2), (1, -2))),  # 2 processes x 2 GPUs, the EP axis across the processes: a device of each per group
+  (1, ((-1, 0), (-1, 1))),
+])
+def test_peer_groups_across_processes_name_other_processes_devices(me, want, monkeypatch):
+  """A device of another process is -(1 + its process index) in the groups (CUDA IPC reaches it); this process's
+  devices keep their CUDA ordinal."""
+  import types
+
+  from gcmoe_jax.sharding import _body
+  dev = lambda p, o: types.SimpleNamespace(process_index=p, local_hardware_id=o)
+  mesh = types.SimpleNamespace(axis_names=("dp", "ep"), devices=np.array([[dev(0, 0), dev(1, 0)],
+                                                                          [dev(0, 1), dev(1, 1)]], dtype=object))
+  monkeypatch.setattr(jax, "process_index", lambda *a: me)
+  assert _body.peer_groups(mesh, "ep") == want
+  other = 1 - me
+  with pytest.raises(NotImplementedError, match=rf"has a group on processes \[{other}, {other}\]"):
+    _body.peer_groups(mesh, "dp")  # along dp, one group is two devices of the other process
 
 
 def test_gm_moe_fused_inside_shard_map_errors(problem, monkeypatch):

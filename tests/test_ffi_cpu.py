@@ -421,11 +421,18 @@ def test_virtual_ranks_reject_bad_arguments_and_need_a_gpu(small_problem):
 
 @pytest.mark.parametrize("ranks, devices, ok", [
   (2, (0, 1), True), (2, (0, 1, 2, 3), True), (4, (3, 2, 1, 0), True),
-  (2, (0, 1, 2), False), (2, (0, 0), False), (1, (0, 1), False), (17, tuple(range(17)), False), (2, (-1, 0), False),
+  # Devices of other processes, -(1 + process): one of this process's per group (CUDA IPC connects the others).
+  (2, (-1, 0), True), (2, (0, -2, 1, -2), True), (4, (-1, 0, -3, -4), True), (2, (-2, -3), True),
+  (2, (0, 1, 2), False), (2, (0, 0), False), (1, (0, 1), False), (17, tuple(range(17)), False),
+  (2, (-1, 0, -1, 0), False),  # this process's device 0 in two groups
+  (3, (0, 1, -2), False),  # two of this process's devices beside another process's
+  (3, (0, -2, -2), False),  # one other process twice in a group
 ])
 def test_fused_variant_registration_checks_its_peer_groups(ranks, devices, ok):
-  """The fused transport across GPUs registers R and its peer groups' CUDA ordinals (group-major); the library
-  refuses a ragged group, a device twice, ordinals without R > 1 and R past abi.MAX_RANKS, naming what it got."""
+  """The fused transport across GPUs registers R and its peer groups' devices (group-major: this process's CUDA
+  ordinals, another process's device as -(1 + process index)); the library refuses a ragged group, a device twice,
+  a group mixing two of this process's devices with another process's, ordinals without R > 1 and R past
+  abi.MAX_RANKS, naming what it got."""
   from gcmoe_jax.ffi import _cuda
   config = (8, 6, 10**9, 4096, 256, 0, ranks, *devices)
   call = lambda: _cuda.register_raw(f"fused-registration-{ranks}-{devices}", config, (0, 256, 0) * 3,
@@ -434,7 +441,7 @@ def test_fused_variant_registration_checks_its_peer_groups(ranks, devices, ok):
     call()
   else:
     with pytest.raises(RuntimeError, match=rf"the fused transport needs R in \[2, {abi.MAX_RANKS}\] and its peer "
-                                           rf"groups' device ordinals .* got R = {ranks} and {len(devices)} ordinals"):
+                                           rf"groups' devices .* got R = {ranks} and {len(devices)} devices"):
       call()
 
 
@@ -477,3 +484,63 @@ def test_tensormap_rows_must_be_whole():
   with pytest.raises(RuntimeError, match=r"role 2's TensorMaps take 8 values each, at most 4 maps; got 7 values"):
     _cuda.register_raw("tensormaps-ragged", (8, 6, 10**9, 4096, 256), (0, 256, 0) * 3, [b"\0"] * 3,
                        reference.silu_table(), tuple(range(7)))
+
+
+def test_connect_processes_hands_every_rank_its_peers_handles_in_rank_order(monkeypatch):
+  """`_cuda.connect_processes`, the fused transport across processes: each process exports its ranks' workspace
+  handles, the exchange hands every process's round, and each rank opens its peers' in rank order. Two processes
+  of two GPUs each with the EP axis across them (two groups), simulated one after the other with the library's
+  export/connect replaced by recorders."""
+  import collections
+
+  from gcmoe_jax.ffi import _cuda
+
+  groups = {0: ((0, -2), (1, -2)), 1: ((-1, 0), (-1, 1))}  # process p's view: its device, the other's as -(1 + p)
+  handle = lambda p, device, rank: bytes([p, device, rank, 7]) * (_cuda.IPC_HANDLE_BYTES // 4)
+  payloads, opened, names = {}, {}, []
+
+  class Stop(Exception):
+    pass
+
+  def run(p, exchange, key=None):
+    monkeypatch.setattr(_cuda, "_ipc_export", lambda key, device, rank: handle(p, device, rank))
+    monkeypatch.setattr(_cuda, "_ipc_connect", lambda key, device, hs: opened.setdefault((p, device), hs))
+    _cuda.connect_processes(key or f"variant-as-seen-by-{p}", "variant.g2", groups[p], exchange)
+
+  def fresh():
+    monkeypatch.setattr(_cuda, "_connected", set())
+    monkeypatch.setattr(_cuda, "_exchanges", collections.Counter())
+
+  def record(p):
+    def exchange(name, payload):
+      names.append(name)
+      payloads[p] = payload
+      raise Stop
+    return exchange
+
+  for p in (0, 1):  # first what each process would publish
+    fresh()
+    with pytest.raises(Stop):
+      run(p, record(p))
+  assert names == ["variant.g2.0", "variant.g2.0"]  # the same name in every process
+  for p in (0, 1):
+    fresh()
+    run(p, lambda name, payload: [payloads[0], payloads[1]])
+  assert opened == {(p, d): [handle(0, d, 0), handle(1, d, 1)] for p in (0, 1) for d in (0, 1)}
+  run(1, None)  # connected once per variant: no second exchange
+  fresh()
+  with pytest.raises(RuntimeError, match=r"process 1 sent no workspace handle for rank 1 of peer group 0"):
+    run(0, lambda name, payload: [payloads[0], b""])
+  with pytest.raises(ValueError, match=r"needs an exchange of their workspace handles .* got exchange=None"):
+    run(0, None, key="another-variant")
+
+
+def test_ipc_entry_points_refuse_an_unregistered_variant():
+  """The library's export/connect name the variant they do not know (no GPU needed to get there)."""
+  from gcmoe_jax.ffi import _cuda
+
+  if _library.library() is None:
+    pytest.skip("needs the FFI library")
+  with pytest.raises(RuntimeError, match=r"opening the peers' workspaces on device 0 failed: gcmoe_ipc_connect: no "
+                                         r"variant registered as never-registered"):
+    _cuda._ipc_connect("never-registered", 0, [b"\0" * 64] * 2)

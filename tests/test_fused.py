@@ -174,3 +174,18 @@ def test_a_rank_that_never_publishes_makes_the_others_raise_and_the_next_call_re
     vr.stall(1, -1)
     ys = vr(xs, ids, wt)
   _check(f"after the withheld call, tokens {tokens}", ys, emulated(x, w, r.ids, r.weights, clamp=10.0), tokens)
+
+
+def test_two_processes_on_one_gpu_connect_their_workspaces_through_ipc():
+  """The fused transport across processes: one rank per process under `jax.distributed`, each exporting its
+  workspace's CUDA IPC handle through the key-value store and opening the other's (`ffi._cuda.connect_processes`),
+  both processes on this one GPU with their own green contexts (the GPU time-slices the two processes' kernels, so
+  the waits get 10 s). 20 steps of fresh inputs through `gm.moe(..., axis_name="ep", transport="fused")` inside
+  `jax.shard_map`, every step bit-exact against the oracle. Cubins: `--preset fused` (512,256,8,4,8,r2)."""
+  import ep_worker
+
+  results = ep_worker.launch(2, "--steps", "20", "--transport", "fused", "--shared-intermediate", "0",
+                             per_process=True, same_gpu=True, deadline_s=300, GCMOE_WAIT_TIMEOUT_MS="10000")
+  for i, (rc, text) in enumerate(results):
+    print(f"\n  process {i}: {ep_worker.tail(text, 3)}")
+    assert rc == 0 and "OK 20 steps" in text, f"process {i} (rc {rc}):\n{ep_worker.tail(text)}"

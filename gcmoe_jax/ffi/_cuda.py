@@ -8,11 +8,15 @@ custom call, and the C++ instantiate stage finds the variant by it. Nothing here
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import dataclasses
 import functools
 import importlib.util
+import struct
+import threading
 import warnings
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -163,13 +167,20 @@ def _register(arch: str, variant: build.Variant, dispatch_sms: int, compute_sms:
   return key
 
 
+# Exchanges every process's bytes for a name (`sharding._peers.exchange`: jax.distributed's key-value store).
+Exchange = Callable[[str, bytes], list[bytes]]
+
+
 def prepare(hidden: int, intermediate: int, experts: int, top_k: int, tokens: int, shared_intermediate: int,
-            shared_group: int, peer_groups: tuple[tuple[int, ...], ...] = ()) -> str:
+            shared_group: int, peer_groups: tuple[tuple[int, ...], ...] = (),
+            exchange: Exchange | None = None) -> str:
   """Registers the kernel variant of a call and returns its key (the ``variant`` attribute).
 
-  ``peer_groups``: for the fused transport across the GPUs of this process, the CUDA ordinals of every group of R
-  ranks (rank order; ``experts`` is then the L local experts of a rank); empty for a local call. The fused
-  variant's return path (direct or relay) is `geometry.relay_staging` at B = the token capacity.
+  ``peer_groups``: for the fused transport, every group of R ranks in rank order (``experts`` is then the L local
+  experts of a rank): this process's devices as CUDA ordinals, another process's as -(1 + its process index);
+  empty for a local call. Groups that span processes are connected here, before the first call: each process's
+  rank exports its workspace's CUDA IPC handle and ``exchange`` gives it every other's (`connect_processes`). The
+  fused variant's return path (direct or relay) is `geometry.relay_staging` at B = the token capacity.
   """
   s = device_arch()
   if not s.ok:
@@ -189,8 +200,91 @@ def prepare(hidden: int, intermediate: int, experts: int, top_k: int, tokens: in
   partition, problems = geometry.split_sms(facts, request)
   if problems:
     raise ValueError("moe: the green-context split cannot run here: " + "; ".join(problems))
-  return _register(s.reason, variant, partition.dispatch_requested, partition.compute_sms, timeout_ns,
-                   tuple(d for g in peer_groups for d in g), partition.dispatch_sms if peer_groups else 0)
+  key = _register(s.reason, variant, partition.dispatch_requested, partition.compute_sms, timeout_ns,
+                  tuple(d for g in peer_groups for d in g), partition.dispatch_sms if peer_groups else 0)
+  if any(d < 0 for g in peer_groups for d in g):
+    connect_processes(key, f"{build.cache_key(s.reason, variant)}.g{len(peer_groups)}", peer_groups, exchange)
+  return key
+
+
+# ---- The fused transport across processes (CUDA IPC; docs/fused_transport.md "Across processes") ----------------
+
+IPC_HANDLE_BYTES = 64  # CU_IPC_HANDLE_SIZE
+_RECORD = struct.Struct("<ii")  # (group index, rank) before each handle of an exchange payload
+_connected: set[str] = set()
+_exchanges: collections.Counter[str] = collections.Counter()
+_connect_lock = threading.Lock()
+
+
+def _ipc_export(key: str, device: int, rank: int) -> bytes:
+  """The IPC handle of rank ``rank``'s workspace of variant ``key`` on CUDA ordinal ``device`` (allocated and
+  initialised by the library on first use)."""
+  fn = _library.library().gcmoe_ipc_export
+  fn.restype = ctypes.c_int
+  fn.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int]
+  handle = ctypes.create_string_buffer(IPC_HANDLE_BYTES)
+  error = ctypes.create_string_buffer(1024)
+  if fn(key.encode(), device, rank, handle, error, len(error)) != 0:
+    raise RuntimeError(f"moe: transport='fused': exporting rank {rank}'s workspace on device {device} failed: "
+                       f"{error.value.decode()}")
+  return handle.raw
+
+
+def _ipc_connect(key: str, device: int, handles: list[bytes]) -> None:
+  """Opens the other ranks' workspaces (``handles`` in rank order) and writes this rank's peer table."""
+  fn = _library.library().gcmoe_ipc_connect
+  fn.restype = ctypes.c_int
+  fn.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+  error = ctypes.create_string_buffer(2048)
+  if fn(key.encode(), device, b"".join(handles), len(handles), error, len(error)) != 0:
+    raise RuntimeError(f"moe: transport='fused': opening the peers' workspaces on device {device} failed: "
+                       f"{error.value.decode()}")
+
+
+def connect_processes(key: str, name: str, peer_groups: tuple[tuple[int, ...], ...],
+                      exchange: Exchange | None) -> None:
+  """Connects this process's ranks of the groups that span processes, once per variant ``key``: each exports its
+  workspace's IPC handle (the workspace initialised first, so a handle another process holds always points at a
+  ready workspace), every process's handles come back from ``exchange`` (under ``name``, the same in every process,
+  numbered by how often it was exchanged: every process traces the same calls in the same order), and each rank
+  opens its peers'. Outside any jitted program and graph capture (at trace time).
+
+  Raises:
+    ValueError: without an ``exchange``.
+    RuntimeError: a process sent no handle for a rank it holds, or the driver refused to map one.
+  """
+  with _connect_lock:
+    if key in _connected:
+      return
+    if exchange is None:
+      raise ValueError("moe: transport='fused' over devices of other processes needs an exchange of their "
+                       "workspace handles (sharding passes jax.distributed's); got exchange=None")
+    mine = {}  # group -> (CUDA ordinal, rank, handle)
+    for g, group in enumerate(peer_groups):
+      local = [(r, d) for r, d in enumerate(group) if d >= 0]
+      if local and len(local) < len(group):
+        (r, d), = local  # the library allows one of this process's devices beside another process's
+        mine[g] = (d, r, _ipc_export(key, d, r))
+    payload = b"".join(_RECORD.pack(g, r) + h for g, (_, r, h) in mine.items())
+    n = _exchanges[name]
+    _exchanges[name] += 1
+    got = exchange(f"{name}.{n}", payload)
+    step = _RECORD.size + IPC_HANDLE_BYTES
+    sent = [{_RECORD.unpack_from(p, o): p[o + _RECORD.size:o + step] for o in range(0, len(p), step)} for p in got]
+    for g, (d, r, h) in mine.items():
+      handles = []
+      for q, entry in enumerate(peer_groups[g]):
+        if q == r:
+          handles.append(h)
+          continue
+        p = -1 - entry
+        if not 0 <= p < len(sent) or (g, q) not in sent[p]:
+          raise RuntimeError(f"moe: transport='fused': process {p} sent no workspace handle for rank {q} of peer "
+                             f"group {g} (its peer groups differ from this process's {peer_groups}: every process "
+                             f"must trace the call over the same mesh)")
+        handles.append(sent[p][(g, q)])
+      _ipc_connect(key, d, handles)
+    _connected.add(key)
 
 
 def _process_counter(symbol: str) -> int:

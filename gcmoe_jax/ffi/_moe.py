@@ -184,13 +184,16 @@ def _moe_on(x: jax.Array, w: ExpertWeights, ids: jax.Array, weights: jax.Array, 
 
 
 def moe_fused_call(x: jax.Array, w_local: ExpertWeights, ids: jax.Array, weights: jax.Array, *,
-                   clamp: float | None, peer_groups: tuple[tuple[int, ...], ...]) -> jax.Array:
-  """One rank's call of the fused transport across the GPUs of this process (docs/fused_transport.md).
+                   clamp: float | None, peer_groups: tuple[tuple[int, ...], ...],
+                   exchange: _cuda.Exchange | None = None) -> jax.Array:
+  """One rank's call of the fused transport (docs/fused_transport.md).
 
   Called per shard (``ep_axis`` under `jax.jit`): ``x`` and the routes are this rank's B tokens, ``w_local`` its L
   experts, ``ids`` global (rank p holds experts p L .. p L + L - 1). The rank is where the call runs: the handler
-  finds its device in ``peer_groups`` (the CUDA ordinals of every group of R ranks, in rank order). Every rank's
-  graph pulls its experts' rows from its peers' workspaces and returns GEMM2 rows to their owners in the kernels.
+  finds its device in ``peer_groups`` (every group of R ranks in rank order: this process's devices as CUDA
+  ordinals, another process's as -(1 + its process index), reached through CUDA IPC handles that ``exchange``
+  trades at trace time, `_cuda.connect_processes`). Every rank's graph pulls its experts' rows from its peers'
+  workspaces and returns GEMM2 rows to their owners in the kernels.
 
   Raises:
     ValueError: for B above the largest token capacity (the fused transport does not run in chunks).
@@ -201,7 +204,7 @@ def moe_fused_call(x: jax.Array, w_local: ExpertWeights, ids: jax.Array, weights
     raise ValueError(f"moe: transport='fused' runs at most {_cuda.CAPACITIES[-1]} tokens per rank and call, got "
                      f"B = {b}; split the batch or use transport='collective'")
   e, h, i, i_s, group = w_local.config
-  variant = _cuda.prepare(h, i, e, int(ids.shape[1]), max(int(b), 1), i_s or 0, group or 0, peer_groups)
+  variant = _cuda.prepare(h, i, e, int(ids.shape[1]), max(int(b), 1), i_s or 0, group or 0, peer_groups, exchange)
   attrs = MoeAttrs.from_weights(w_local, ids.shape[1], clamp, variant=variant,
                                 sync_check=bool(_config.get("GCMOE_SYNC_CHECK")))
   return _moe_on(x, w_local, ids, weights, attrs)

@@ -17,6 +17,7 @@ import numpy as np
 from gcmoe_jax import _compat, ffi
 from gcmoe_jax._checks import check_activations
 from gcmoe_jax.formats import ExpertWeights
+from gcmoe_jax.sharding import _peers
 from gcmoe_jax.sharding import _transport as tr
 
 LocalFn = Callable[..., jax.Array]
@@ -146,23 +147,31 @@ def body(x: jax.Array, w_local: ExpertWeights, ids: jax.Array, weights: jax.Arra
 
 
 def peer_groups(mesh: jax.sharding.Mesh, axis: str) -> tuple[tuple[int, ...], ...]:
-  """The fused transport's peer groups of ``mesh`` along ``axis``: for every position on the other axes, the CUDA
-  ordinals (``local_hardware_id``) of the devices along ``axis``, in rank order.
+  """The fused transport's peer groups of ``mesh`` along ``axis``: for every position on the other axes, the
+  devices along ``axis`` in rank order, this process's as their CUDA ordinal (``local_hardware_id``: peer access
+  connects them) and another process's as -(1 + its process index) (CUDA IPC handles connect those,
+  `ffi._cuda.connect_processes`).
 
   Raises:
-    NotImplementedError: when a device belongs to another process (the fused transport across processes needs
-      shared memory handles, not built: docs/fused_transport.md).
+    NotImplementedError: a group that holds devices of other processes and more than one of this process's, or
+      two of one other process (one group connected by both peer access and IPC is not built: make the EP axis
+      one device per process, or keep it within a process).
   """
   names = list(mesh.axis_names)
   devices = np.moveaxis(np.asarray(mesh.devices), names.index(axis), -1)
   groups = devices.reshape(-1, devices.shape[-1])
   this = jax.process_index()
-  remote = [d for d in groups.flat if d.process_index != this]
-  if remote:
-    raise NotImplementedError(f"moe: transport='fused' runs within one process driving its GPUs; mesh axis "
-                              f"{axis!r} holds devices of other processes ({remote[0]} is on process "
-                              f"{remote[0].process_index}); use transport='collective'")
-  return tuple(tuple(int(d.local_hardware_id) for d in g) for g in groups)
+  out = []
+  for g in groups:
+    procs = [int(d.process_index) for d in g]
+    others = [p for p in procs if p != this]
+    if others and (len(procs) - len(others) > 1 or len(set(others)) < len(others)):
+      raise NotImplementedError(f"moe: transport='fused' connects the devices of a peer group either within one "
+                                f"process (peer access) or one device per process (CUDA IPC); mesh axis {axis!r} "
+                                f"has a group on processes {procs}; use one device per process along {axis!r}, or "
+                                f"transport='collective'")
+    out.append(tuple(int(d.local_hardware_id) if p == this else -1 - p for d, p in zip(g, procs)))
+  return tuple(out)
 
 
 def _fused_stats(ids: jax.Array, num_experts: int, num_local: int, ranks: int, axis: str) -> EPStats:
@@ -185,7 +194,7 @@ def fused_body(x: jax.Array, w_local: ExpertWeights, ids: jax.Array, weights: ja
   bad = ids >= num_experts
   # The variant is keyed by the L local experts, whatever the static num_experts of w_local says.
   y = ffi.moe_fused_call(x, local_experts(w_local, shared=True), jnp.where(bad, -1, ids), weights, clamp=clamp,
-                         peer_groups=groups)
+                         peer_groups=groups, exchange=_peers.exchange)
   return _nan_where(bad.any(axis=1), y), _fused_stats(ids, num_experts, num_local, ranks, axis_name)
 
 
@@ -275,7 +284,8 @@ def moe_shard_map_body(x: jax.Array, w_local: ExpertWeights, ids: jax.Array, wei
   Raises:
     TypeError, ValueError: for arguments of the wrong type, rank, dtype or shape (at trace time); ValueError for
       ``"fused"`` without a mesh, or a mesh without ``axis_name``, of another axis size or shape than the body's.
-    NotImplementedError: ``"fused"`` over devices of other processes (IPC handles: not built).
+    NotImplementedError: ``"fused"`` over a peer group that holds devices of other processes and more than one of
+      this process's (`peer_groups`).
   """
   return moe_shard_map_body_with_stats(x, w_local, ids, weights, axis_name=axis_name, local_fn=local_fn, clamp=clamp,
                                        transport=transport, capacity=capacity, mesh=mesh)[0]
