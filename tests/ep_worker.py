@@ -153,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                       global_array(np.zeros(i0.shape, np.float32), tokens)).compile()
     from gcmoe_jax import _compat
     _compat.distributed_client().wait_at_barrier("ep_worker_compiled", 120_000)
+    print(f"process {jax.process_index()}: peer groups {sharding._body.peer_groups(mesh, 'ep')} (CUDA IPC where "
+          f"negative: another process's device)", flush=True)
   oracle = jax.jit(reference.moe_emulated, static_argnames=("clamp",))
   fault_device = gpus[args.fault_rank]
   stall_expert = 1  # local expert 1 of the faulty rank: global expert L * rank + 1

@@ -187,5 +187,27 @@ def test_two_processes_on_one_gpu_connect_their_workspaces_through_ipc():
   results = ep_worker.launch(2, "--steps", "20", "--transport", "fused", "--shared-intermediate", "0",
                              per_process=True, same_gpu=True, deadline_s=300, GCMOE_WAIT_TIMEOUT_MS="10000")
   for i, (rc, text) in enumerate(results):
-    print(f"\n  process {i}: {ep_worker.tail(text, 3)}")
+    lines = [line for line in text.splitlines() if line.startswith(f"process {i}") or line.startswith("OK")]
+    print(f"\n  process {i}: " + "\n  ".join(lines[:2] + lines[-2:]))
     assert rc == 0 and "OK 20 steps" in text, f"process {i} (rc {rc}):\n{ep_worker.tail(text)}"
+    assert f"process {i}: peer groups ((" in text and text.count("bit-exact") == 20, ep_worker.tail(text)
+
+
+def test_a_stalled_rank_in_another_process_makes_both_raise():
+  """Across processes (one GPU, CUDA IPC): rank 1's role 1 withholds an expert that one of rank 0's tokens routes
+  to, from step 2 on. That step's outputs come back NaN (rank 1's role 2 and rank 0's wait for its returned rows
+  give up after 2 s), and a later call raises the recorded fault in both processes."""
+  import re
+
+  import ep_worker
+
+  results = ep_worker.launch(2, "--steps", "6", "--stall-at", "2", "--fault-rank", "1", "--transport", "fused",
+                             "--shared-intermediate", "0", "--heartbeat", "20", per_process=True, same_gpu=True,
+                             deadline_s=240, GCMOE_WAIT_TIMEOUT_MS="2000")
+  text = "\n".join(t for _, t in results)
+  for i, (rc, t) in enumerate(results):
+    print(f"\n  process {i}: rc {rc}: {ep_worker.tail(t, 3)}")
+  assert re.search(r"step 2 shard \d+ NaN rows [1-9]", text), ep_worker.tail(text)
+  assert re.search(r"fault was recorded on device 0: role 4, .*the fused transport waited for the peers to return "
+                   r"this rank's rows", results[0][1]), ep_worker.tail(results[0][1])
+  assert all(rc != 0 for rc, _ in results), "a rank finished all steps although rank 1 stalled"
