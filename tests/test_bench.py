@@ -156,3 +156,25 @@ def test_cli_writes_reports(tmp_path, capsys):
   assert "| ragged_dot | 2 |" in out.out and "measured memory bandwidth" in out.out
   assert "\r[" in out.err  # the progress bar
   assert (tmp_path / "bench_custom.csv").exists() and (tmp_path / "bench_custom.png").exists()
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_the_fused_benchs_collective_reference_equals_the_oracle(ranks):
+  """`bench.fused.collective_on_one_gpu` (the collective transport's program for R ranks on one device, under
+  ``jax.vmap(axis_name=...)``), here with the reference backend as the local op: bit-equal to `moe_emulated` on the
+  global inputs, so the bench's check of the fused ranks against it is a check against the oracle."""
+  from gcmoe_jax.bench import fused
+  from gcmoe_jax.bench.problems import make_routes
+
+  e, k, b = 4 * ranks, 4, 3
+  rng = np.random.default_rng([7, ranks])
+  w13 = jnp.asarray(rng.standard_normal((e, 512, 512)) / 22, jnp.float32)
+  w2 = jnp.asarray(rng.standard_normal((e, 256, 512)) / 16, jnp.float32)
+  w = gm.formats.quantize_experts(w13, w2)
+  ids, wt = make_routes(rng, "default", ranks * b, e, k)
+  x = jnp.asarray(rng.standard_normal((ranks * b, 512)), jnp.bfloat16)
+  stack = lambda a: jnp.asarray(np.asarray(a).reshape(ranks, b, *np.shape(a)[1:]))
+  y = fused.collective_on_one_gpu(w, ranks, 10.0, backend="reference")(stack(x), stack(ids), stack(wt))
+  want = reference.moe_emulated(x, w, jnp.asarray(ids), jnp.asarray(wt), clamp=10.0)
+  np.testing.assert_array_equal(np.asarray(y).reshape(ranks * b, -1).view(np.uint16),
+                                np.asarray(want).view(np.uint16))

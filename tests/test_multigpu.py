@@ -159,3 +159,15 @@ def test_a_stalled_rank_raises_naming_its_device(ranks, per_process):
   assert re.search(rf"fault was recorded on device {device}: role 2, .*spin-wait exceeded its bound of 50 ms", text), \
       _tail(text)
   assert all(rc != 0 for rc, _ in results), "a rank finished all steps although rank 1 stalled"
+
+
+@pytest.mark.parametrize("per_process", [False, True], ids=["one-process", "process-per-gpu"])
+def test_the_fused_transport_in_subprocesses_stays_exact(ranks, per_process):
+  """`gm.moe(..., axis_name="ep", transport="fused")` inside shard_map over every GPU: one process driving them
+  (peer access) or one process per GPU (CUDA IPC handles through jax.distributed, docs/fused_transport.md "Across
+  processes"); 200 steps of fresh inputs, every 50th bit-exact. Cubins: `--preset multigpu` (512,256,8,4,8,rR)."""
+  results = _launch(ranks, "--steps", "200", "--check-every", "50", "--transport", "fused", "--shared-intermediate",
+                    "0", per_process=per_process, deadline_s=300)
+  for i, (rc, text) in enumerate(results):
+    print(f"\n  worker {i}: {_tail(text, 2)}")
+    assert rc == 0 and "OK 200 steps" in text, f"worker {i} (rc {rc}):\n{_tail(text)}"
