@@ -84,7 +84,7 @@ WAIT_RELAY = 0x70000  # a relay copier (role 2) waited for experts' GEMM2 items 
 WAIT_PIPE = 0x80000  # role 2's K loop waited for a stage's copies or readers (observed: the K128 block)
 WAIT_GATE = 0x90000  # a role-1 CTA of the direct scan (B <= 2) waited for block 0's scan of the peers (role 4)
 STALL_CALL = -2  # stall_expert of a fused-transport rank that never publishes its call (x_ready) to the peers
-ROLE_TRANSPORT = 4  # error_role of a fused-transport wait that expired (error_counter: one of the three above)
+ROLE_TRANSPORT = 4  # error_role of an expired fused-transport wait (error_counter: WAIT_PEER..WAIT_RELAY, WAIT_GATE)
 SILU_TABLE_ENTRIES = 1 << 16  # float32 silu(g) per BF16 bit pattern (reference.silu_table)
 ALIGN = 256
 # The timeline of a `GCMOE_ABLATION=timeline` build (docs/kernels_v2.md "Timeline"): %globaltimer stamps (u64 ns)

@@ -430,11 +430,6 @@ def _peer(wsb, p) -> Int64:
   return v1._ld(wsb + abi.HEADER["peers"] + Int64(p) * 8, Int64)
 
 
-def _ld_sys(addr) -> Int32:
-  """An acquire load at system scope: a flag or count a peer published."""
-  return v1._ptx1("ld.acquire.sys.global.u32 {$w0}, [{$r0}];", addr)
-
-
 def _ld_cg(addr) -> Int32:
   """A load through L2 only: data a peer wrote during this call (after an acquire of its flag)."""
   return v1._ptx1("ld.global.cg.u32 {$w0}, [{$r0}];", addr)
@@ -456,10 +451,6 @@ def _red_release_sys(addr, v) -> None:
 
 def _fence_sys() -> None:
   cute.arch.inline_ptx("fence.acq_rel.sys;", read_only_args=[])
-
-
-def _sts_u8(addr, v) -> None:
-  cute.arch.inline_ptx("st.shared.u8 [{$r0}], {$r1};", read_only_args=[addr, Int32(v)])
 
 
 def _warp_any(pred) -> Int32:
@@ -671,7 +662,6 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     counter = wsb + ws.counters + (Int64(par) * words + received) * v1.WORD_BYTES
     gate = wsb + ws.rgate
     pub = Int64(par) * (cap * k)
-    row_bytes = self.nblk_h * BLOCK_BYTES
     if bid == 0:
       for a in range(tid, n_assign, THREADS):
         eid = v1._ld_nc(idb + Int64(a) * v1.WORD_BYTES)
@@ -809,7 +799,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     for d in cutlass.range_constexpr(sf_lane):
       c = lane + 32 * d
       if c <= n_sf:
-        dst = cutlass.select_(c < n_sf, wsb + ws.rxsf + Int64(gr) * self.nblk_h + c * 4, wsb + ws.rxflag + Int64(gr) * 4)
+        dst = cutlass.select_(c < n_sf, wsb + ws.rxsf + Int64(gr) * self.nblk_h + c * 4,
+                              wsb + ws.rxflag + Int64(gr) * 4)
         v1._st(dst, vals[d])
 
   # ////////////////////////////////////////////////////////////////////////////////////////////////////////////////
