@@ -361,19 +361,23 @@ def _split_fragments(words, s: int, tabs):
   return (tuple(_prmt(tabs[0], POS2_HI, w) for w in w4), tuple(_prmt(tabs[1], NEG_HI, w & 0x7777) for w in w4))
 
 
-def _row_update(fast: bool, s0, s1, s2, xw, scale_word, s: int, acc):
-  """``acc`` after block ``s`` of one (row, token) from its three plane sums: f32(D) by the magic conversion, then
-  the fast path's exact scaled FMA or the slow path's two-step scaling with NaN blocks (`_stage`; the row's weight
-  scale is byte ``s`` of ``scale_word``)."""
-  tf = v1._fadd(s0 + s1 * (1 << abi.DIGIT_BITS) + MAGIC, MAGIC_NEG)
-  sf = v1._fadd(s2 + MAGIC, MAGIC_NEG)
-  df = _fma(sf, F32_4096, tf)
-  wb = _scale_byte(scale_word, s)
+def _scaled_add(fast: bool, df, xw, wb, acc):
+  """``acc + df * 2**n`` of one block (``df`` = f32(D), ``xw`` the token's exponent word, ``wb`` the row's scale
+  byte): the fast path's exact scaled FMA, or the slow path's two-step scaling with NaN blocks (`_stage`)."""
   if fast:
     return _fma(df, xw + (wb << v1.F32_MANT_BITS), acc)
   p = v1._scale_pow2(df, (xw >> v1.F32_MANT_BITS) + wb - v1.F32_BIAS)
   p = cutlass.select_(xw == abi.NAN_WORD, Int32(v1.F32_QNAN), p)
   return v1._fadd(acc, p)
+
+
+def _row_update(fast: bool, s0, s1, s2, xw, scale_word, s: int, acc):
+  """``acc`` after block ``s`` of one (row, token) from its three plane sums: f32(D) by the magic conversion, then
+  `_scaled_add` (`_stage`; the row's weight scale is byte ``s`` of ``scale_word``)."""
+  tf = v1._fadd(s0 + s1 * (1 << abi.DIGIT_BITS) + MAGIC, MAGIC_NEG)
+  sf = v1._fadd(s2 + MAGIC, MAGIC_NEG)
+  df = _fma(sf, F32_4096, tf)
+  return _scaled_add(fast, df, xw, _scale_byte(scale_word, s), acc)
 
 
 def _shfl_xor(v, off: int) -> Int32:
@@ -763,26 +767,25 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     dst_p = wsb + ws.rxplanes + Int64(gr) * (n_planes * 16)
     src_e = pb + ws.xexp + Int64(t) * (self.nblk_h * 4) - n_planes * 16
     dst_e = wsb + ws.rxexp + Int64(gr) * (self.nblk_h * 4) - n_planes * 16
+
+    def chunk(planes, exps, i, c):
+      """The address of chunk ``c`` (batch ``i`` of the lanes) in a row at ``planes`` / ``exps``."""
+      if cutlass.const_expr(32 * i + 31 < n_planes):
+        return planes + c * 16
+      if cutlass.const_expr(32 * i >= n_planes):
+        return exps + c * 16
+      return cutlass.select_(c < n_planes, planes, exps) + c * 16
+
     for r in cutlass.range_constexpr(rounds):
       vals = []
       for d in cutlass.range_constexpr(depth):
         i = r * depth + d
         c = cutlass.min(lane + 32 * i, n_chunks - 1)  # a lane past the end reloads the last chunk (not stored)
-        if cutlass.const_expr(32 * i + 31 < n_planes):
-          src = src_p + c * 16
-        elif cutlass.const_expr(32 * i >= n_planes):
-          src = src_e + c * 16
-        else:
-          src = cutlass.select_(c < n_planes, src_p, src_e) + c * 16
-        vals.append(v1._ld_cg_v4(src))
+        vals.append(v1._ld_cg_v4(chunk(src_p, src_e, i, c)))
       for d in cutlass.range_constexpr(depth):
         i = r * depth + d
         c = lane + 32 * i
-        dst = dst_p + c * 16
-        if cutlass.const_expr(32 * i >= n_planes):
-          dst = dst_e + c * 16
-        elif cutlass.const_expr(32 * i + 31 >= n_planes):
-          dst = cutlass.select_(c < n_planes, dst_p, dst_e) + c * 16
+        dst = chunk(dst_p, dst_e, i, c)
         if cutlass.const_expr(32 * i + 31 < n_chunks):
           v1._st_v4(dst, *vals[d])
         else:
@@ -1695,12 +1698,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         tf = v1._fadd(r0[c], MAGIC_NEG)
         sf = v1._fadd(r2[c], MAGIC_NEG)
         df = _fma(sf, F32_4096, tf)  # f32(D), rounded once (= cvt.rn.f32.s32 of D)
-        if cutlass.const_expr(fast):
-          acc[4 * i + c] = _fma(df, xw + (wb[c // 2] << v1.F32_MANT_BITS), acc[4 * i + c])
-        else:
-          p = v1._scale_pow2(df, (xw >> v1.F32_MANT_BITS) + wb[c // 2] - v1.F32_BIAS)
-          p = cutlass.select_(xw == abi.NAN_WORD, Int32(v1.F32_QNAN), p)
-          acc[4 * i + c] = v1._fadd(acc[4 * i + c], p)
+        acc[4 * i + c] = _scaled_add(fast, df, xw, wb[c // 2], acc[4 * i + c])
 
     if cutlass.const_expr(single == 1):
       # Columns 0 and 2 hold plane 0, 1 and 3 plane 1, 4-7 plane 2 (lane g reads the plane of column g), so lane
