@@ -229,10 +229,14 @@ WeakCache<Runtime>& Cache() { return WeakCache<Runtime>::Instance(); }
 
 namespace {
 
-// Zeroes the workspace `ws` of variant `s` and writes its header (`header` with epoch 0, the spin bound and no stalled
-// expert) and the silu table; the rest needs no initial value (epochs). Runs in `ws`'s context.
-std::string InitWorkspace(const CudaDriver& cu, CUdeviceptr ws, const VariantSpec& s, WorkspaceHeader header) {
-  header.timeout_ns = s.timeout_ns;
+// Zeroes the workspace `ws` of variant `s` and writes its header (`header` with epoch 0, the spin bound, and no stalled
+// expert) and the silu table; the rest needs no initial value (epochs). `first_timeout_ns`: a longer bound for the
+// waits of the first call (a fused variant's role 3 of that call sets header.timeout_ns to the steady one). Runs in
+// `ws`'s context.
+std::string InitWorkspace(const CudaDriver& cu, CUdeviceptr ws, const VariantSpec& s, WorkspaceHeader header,
+                          uint64_t first_timeout_ns = 0) {
+  header.timeout_ns = std::max(s.timeout_ns, s.ranks > 1 ? first_timeout_ns : 0);
+  header.steady_timeout_ns = s.timeout_ns;
   header.stall_expert = -1;
   GCMOE_CU_OR_RETURN(cu, cu.cuMemsetD8(ws, 0, static_cast<size_t>(s.ws_total)), "cuMemsetD8(workspace)");
   GCMOE_CU_OR_RETURN(cu, cu.cuMemcpyHtoD(ws, &header, sizeof(header)), "cuMemcpyHtoD(workspace header)");
@@ -263,11 +267,13 @@ class PeerGroup {
   static std::shared_ptr<PeerGroup> Get(const CudaDriver& cu, const std::shared_ptr<const VariantSpec>& spec,
                                         const std::vector<int32_t>& ordinals, std::string* error);
   static std::string ExportIpc(const CudaDriver& cu, const VariantSpec& spec, int ordinal, int rank,
-                               CUipcMemHandle* handle);
+                               uint64_t first_timeout_ns, CUipcMemHandle* handle);
   static std::string ConnectIpc(const VariantSpec& spec, int ordinal, const std::vector<CUipcMemHandle>& handles);
   static std::shared_ptr<PeerGroup> FindIpc(const VariantSpec& spec, int ordinal, int rank, std::string* error);
   ~PeerGroup();
   CUdeviceptr workspace(int rank) const { return ws_[rank]; }
+  // The spin bound of the group's first call (the variant's own outside groups across processes).
+  uint64_t first_timeout_ns() const { return first_timeout_ns_; }
 
  private:
   explicit PeerGroup(const CudaDriver& cu) : cu_(cu) {}
@@ -282,6 +288,7 @@ class PeerGroup {
   std::vector<CUdeviceptr> ws_;
   int ipc_rank_ = -1;      // across processes: this process's rank (its workspace is the one allocated here)
   bool connected_ = false;  // across processes: the peers' workspaces are open and the peer table written
+  uint64_t first_timeout_ns_ = 0;
 };
 
 std::shared_ptr<PeerGroup> PeerGroup::Get(const CudaDriver& cu, const std::shared_ptr<const VariantSpec>& spec,
@@ -305,6 +312,7 @@ std::shared_ptr<PeerGroup> PeerGroup::Get(const CudaDriver& cu, const std::share
 
 std::string PeerGroup::Init(const VariantSpec& s, const std::vector<int32_t>& ordinals) {
   const size_t r = ordinals.size();
+  first_timeout_ns_ = s.timeout_ns;  // the group's ranks start together (one process)
   device_.assign(r, 0);
   primary_.assign(r, nullptr);
   ws_.assign(r, 0);
@@ -382,7 +390,7 @@ std::mutex& PeerGroup::IpcMutex() {
 }
 
 std::string PeerGroup::ExportIpc(const CudaDriver& cu, const VariantSpec& s, int ordinal, int rank,
-                                 CUipcMemHandle* handle) {
+                                 uint64_t first_timeout_ns, CUipcMemHandle* handle) {
   if (s.ranks < 2 || rank < 0 || rank >= s.ranks) {
     return "gcmoe_ipc_export: rank " + std::to_string(rank) + " of a variant of R = " + std::to_string(s.ranks) +
            " ranks; expected R >= 2 and a rank in [0, R)";
@@ -409,7 +417,9 @@ std::string PeerGroup::ExportIpc(const CudaDriver& cu, const VariantSpec& s, int
     WorkspaceHeader header{};
     header.rank = static_cast<uint32_t>(rank);
     header.peers[me] = g->ws_[me];
-    std::string err = InitWorkspace(cu, g->ws_[me], s, header);
+    // A peer process may still be compiling or loading when this rank's first call waits for it.
+    g->first_timeout_ns_ = std::max(first_timeout_ns, s.timeout_ns);
+    std::string err = InitWorkspace(cu, g->ws_[me], s, header, first_timeout_ns);
     if (!err.empty()) return err;
     group = std::move(g);
   }
@@ -743,6 +753,10 @@ std::string Runtime::ReadFault(CUstream stream) {
                     std::to_string(h->error_role) + ", block " + std::to_string(h->error_block) + ", epoch " +
                     std::to_string(h->error_epoch) + ", counter " + std::to_string(h->error_counter) +
                     ", observed " + std::to_string(h->error_observed);
+  // The first call of a group across processes waited with its own, longer bound (InitWorkspace).
+  const bool first = h->error_epoch == 1 && group_ != nullptr && group_->first_timeout_ns() > spec_->timeout_ns;
+  const std::string bound = std::to_string((first ? group_->first_timeout_ns() : spec_->timeout_ns) / 1000000) +
+                            (first ? " ms, GCMOE_FIRST_WAIT_TIMEOUT_MS (the first call)" : " ms, GCMOE_WAIT_TIMEOUT_MS");
   if (h->error_role == 1) {
     msg += " (role 1 read expert id " + std::to_string(static_cast<int32_t>(h->error_counter)) +
            ", outside [0, E): routes.ids must be < E)";
@@ -754,16 +768,14 @@ std::string Runtime::ReadFault(CUstream stream) {
            : what == 0x90000u ? " (the fused transport's dispatch CTAs waited for block 0's direct scan of the peers"
                               : " (the fused transport waited for the peers to return this rank's rows: " +
                                     std::to_string(h->error_observed) + " row tiles arrived";
-    msg += " within " + std::to_string(spec_->timeout_ns / 1000000) +
-           " ms, GCMOE_WAIT_TIMEOUT_MS: a peer stalled or died; the outputs of that call were set to NaN)";
+    msg += " within " + bound + ": a peer stalled or died; the outputs of that call were set to NaN)";
   } else if (h->error_role == 2 && (h->error_counter & 0xffff0000u) == 0x80000u) {  // abi.WAIT_PIPE
     msg += " (role 2's pipeline waited longer than " + std::to_string(spec_->timeout_ns / 1000000) +
            " ms, GCMOE_WAIT_TIMEOUT_MS, for the copies of K128 block " + std::to_string(h->error_observed) +
            " (a TMA or bulk copy that never completed: a bad weight pointer or TensorMap); the outputs of that call "
            "were set to NaN)";
   } else {
-    msg += " (a spin-wait exceeded its bound of " + std::to_string(spec_->timeout_ns / 1000000) +
-           " ms, GCMOE_WAIT_TIMEOUT_MS; the outputs of that call were set to NaN)";
+    msg += " (a spin-wait exceeded its bound of " + bound + "; the outputs of that call were set to NaN)";
   }
   h->error_flag = 0;
   const uint32_t zero = 0;
@@ -995,15 +1007,17 @@ GCMOE_EXPORT int gcmoe_register_variant(const char* key, const int64_t* config, 
 
 // The fused transport across processes (docs/fused_transport.md): this process's rank `rank` of a group of variant
 // `key`, on CUDA device ordinal `device`, allocates and initialises its workspace (once; later calls return the same
-// handle) and writes its CUDA IPC handle (64 bytes) to `handle`. Before the variant's first call, outside capture.
-GCMOE_EXPORT int gcmoe_ipc_export(const char* key, int device, int rank, uint8_t* handle, char* error,
-                                  int error_size) {
+// handle) and writes its CUDA IPC handle (64 bytes) to `handle`. `first_timeout_ns`: the spin bound of the group's
+// first call (the variant's own if smaller). Before the variant's first call, outside capture.
+GCMOE_EXPORT int gcmoe_ipc_export(const char* key, int device, int rank, int64_t first_timeout_ns, uint8_t* handle,
+                                  char* error, int error_size) {
   std::string why;
   const gcmoe::CudaDriver* cu = gcmoe::GetCudaDriver(&why);
   std::shared_ptr<const gcmoe::VariantSpec> spec = gcmoe::FindVariant(key);
   if (cu != nullptr && spec == nullptr) why = std::string("gcmoe_ipc_export: no variant registered as ") + key;
   CUipcMemHandle h{};
-  if (why.empty()) why = gcmoe::PeerGroup::ExportIpc(*cu, *spec, device, rank, &h);
+  if (why.empty()) why = gcmoe::PeerGroup::ExportIpc(*cu, *spec, device, rank,
+                                                     static_cast<uint64_t>(std::max<int64_t>(first_timeout_ns, 0)), &h);
   if (!why.empty()) return gcmoe::FailWith(why, error, error_size);
   std::memcpy(handle, h.reserved, sizeof(h.reserved));
   return 0;
@@ -1039,7 +1053,7 @@ GCMOE_EXPORT int gcmoe_workspace_header_offsets(int64_t* out, int n) {
       offsetof(gcmoe::WorkspaceHeader, error_counter), offsetof(gcmoe::WorkspaceHeader, error_observed),
       offsetof(gcmoe::WorkspaceHeader, stall_expert),  offsetof(gcmoe::WorkspaceHeader, host_mirror),
       offsetof(gcmoe::WorkspaceHeader, x_ready),       offsetof(gcmoe::WorkspaceHeader, rank),
-      offsetof(gcmoe::WorkspaceHeader, peers)};
+      offsetof(gcmoe::WorkspaceHeader, steady_timeout_ns), offsetof(gcmoe::WorkspaceHeader, peers)};
   const int count = static_cast<int>(sizeof(offsets) / sizeof(offsets[0]));
   for (int i = 0; i < count && i < n; ++i) out[i] = offsets[i];
   return count;

@@ -59,7 +59,7 @@ struct WorkspaceHeader {
   // The fused transport (abi.HEADER): this rank's published call, its rank, and every rank's workspace address.
   uint32_t x_ready;
   uint32_t rank;
-  uint8_t pad0[8];
+  uint64_t steady_timeout_ns;  // the spin bound after the first call (role 3 of a fused variant's first call copies it)
   uint64_t peers[16];  // abi.MAX_RANKS
   uint8_t pad[256 - 192];
 };

@@ -72,6 +72,9 @@ VARS = {v.name: v for v in (
                                        "results exact, for A/B timing); "
                                        "part of the cubin key"),
   Var("GCMOE_WAIT_TIMEOUT_MS", int, 2000, "bound of every device spin-wait; expiry becomes a Python exception"),
+  Var("GCMOE_FIRST_WAIT_TIMEOUT_MS", int, 120_000, "bound of the spin-waits of the first call of the fused "
+                                                   "transport across processes (a peer process may still be "
+                                                   "compiling); never below GCMOE_WAIT_TIMEOUT_MS"),
   Var("GCMOE_SYNC_CHECK", _bool, False, "synchronise after each CUDA call and raise a device fault at once "
                                         "(tests, debugging); otherwise it is raised by the next call"),
   Var("GCMOE_TEST_LEVEL", str, "quick", "tests: quick or full"),

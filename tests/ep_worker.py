@@ -11,8 +11,10 @@ shards of the output with `reference.moe_emulated` on the global inputs, bit for
 Failure drills: ``--die-at S`` makes process ``--fault-rank`` exit abruptly (os._exit) at step S, as a killed
 rank; ``--stall-at S`` makes rank ``--fault-rank``'s role 1 withhold a local expert from step S on (the runtime's
 stall hook), as a stalled rank: its role 2 waits past GCMOE_WAIT_TIMEOUT_MS, that call's outputs become NaN and
-a later call raises the fault naming the device. ``--exchange N`` runs N `sharding._peers` exchanges instead of
-steps. ``--backend cpu`` runs everything on CPU devices (the harness's own tests, tests/test_ep_processes.py).
+a later call raises the fault naming the device. ``--first-call-skew S``: process ``--fault-rank`` starts its first
+step S seconds after the others (past GCMOE_WAIT_TIMEOUT_MS: the first call's waits have their own bound,
+GCMOE_FIRST_WAIT_TIMEOUT_MS). ``--exchange N`` runs N `sharding._peers` exchanges instead of steps. ``--backend
+cpu`` runs everything on CPU devices (the harness's own tests, tests/test_ep_processes.py).
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--die-at", type=int, default=-1)
   p.add_argument("--stall-at", type=int, default=-1)
   p.add_argument("--fault-rank", type=int, default=1)
+  p.add_argument("--first-call-skew", type=float, default=0.0)
   p.add_argument("--exchange", type=int, default=0, help="instead of steps: this many `sharding._peers` exchanges")
   p.add_argument("--exchange-timeout-ms", type=int, default=30_000)
   p.add_argument("--shared-intermediate", type=int, default=256, help="the shared expert's I (0: none)")
@@ -145,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
   step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"), sharding.expert_specs(w), P("ep"), P("ep")),
                                out_specs=P("ep")))
   if args.transport == "fused" and jax.process_count() > 1:
-    # A rank's first call waits (bounded) for its peers' first publications: compile ahead and meet at a barrier,
-    # so no process is still compiling while another's kernels wait for it.
+    # A rank's first call waits for its peers' first publications (bounded by GCMOE_FIRST_WAIT_TIMEOUT_MS): compile
+    # ahead and meet at a barrier, so the drills' steps start together (--first-call-skew then delays one process).
     x0 = np.zeros((shape.tokens, shape.hidden), jnp.bfloat16)
     i0 = np.zeros((shape.tokens, shape.top_k), np.int32)
     step = step.lower(global_array(x0, tokens), w_global, global_array(i0, tokens),
@@ -163,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
   t0 = time.perf_counter()
   graphs = None
   for n in range(args.steps):
+    if n == 0 and args.first_call_skew > 0 and me == fault_device.process_index:
+      print(f"process {me}: starting {args.first_call_skew} s after the others", flush=True)
+      time.sleep(args.first_call_skew)
     if n == args.die_at and me == fault_device.process_index:
       print(f"process {me}: exiting abruptly at step {n} (killed rank {args.fault_rank})", flush=True)
       os._exit(17)
@@ -182,16 +188,19 @@ def main(argv: list[str] | None = None) -> int:
       continue
     want = np.asarray(oracle(jax.device_put(x, local), w, jax.device_put(ids, local), jax.device_put(wt, local),
                              clamp=10.0))
+    # A first step that gave up on a late peer (--first-call-skew past its bound) has NaN outputs; the next call
+    # raises the recorded fault.
+    late = n == 0 and args.first_call_skew > 0 and any(np.isnan(np.asarray(s.data)).any() for s in y.addressable_shards)
     for s in y.addressable_shards:
       got = np.asarray(s.data)
-      if stalled:
+      if stalled or late:
         print(f"process {me}: step {n} shard {s.index[0].start or 0} NaN rows {int(np.isnan(got).any(axis=1).sum())} of "
               f"{got.shape[0]}", flush=True)
         continue
       if not np.array_equal(got.view(np.uint16), want[s.index].view(np.uint16)):
         print(f"process {me}: step {n} shard {s.index[0].start or 0} MISMATCH", flush=True)
         return 1
-    if not stalled:
+    if not (stalled or late):
       print(f"process {me}: step {n} bit-exact", flush=True)
     if args.backend == "cuda" and graphs is None:
       graphs = graph_instantiations()  # after the first step: replays must not instantiate graphs

@@ -11,7 +11,10 @@ import pytest
 
 @pytest.mark.parametrize("per_process", [False, True], ids=["one-process", "process-per-device"])
 def test_ranks_on_cpu_devices_are_exact(per_process):
-  results = ep_worker.launch(2, "--steps", "3", per_process=per_process, cpu=True, deadline_s=180)
+  """Rank 1's process also starts its first step a second late (``--first-call-skew``, the GPU drill of
+  tests/test_fused.py): the collectives wait for it."""
+  results = ep_worker.launch(2, "--steps", "3", "--first-call-skew", "1", per_process=per_process, cpu=True,
+                             deadline_s=180)
   for i, (rc, text) in enumerate(results):
     assert rc == 0 and "OK 3 steps" in text, f"worker {i} (rc {rc}):\n{ep_worker.tail(text)}"
     assert len(re.findall(r"step \d bit-exact", text)) == 3, ep_worker.tail(text)

@@ -211,3 +211,24 @@ def test_a_stalled_rank_in_another_process_makes_both_raise():
   assert re.search(r"fault was recorded on device 0: role 4, .*the fused transport waited for the peers to return "
                    r"this rank's rows", results[0][1]), ep_worker.tail(results[0][1])
   assert all(rc != 0 for rc, _ in results), "a rank finished all steps although rank 1 stalled"
+
+
+@pytest.mark.parametrize("first_ms", ["120000", "2000"], ids=["first-call-bound", "plain-bound"])
+def test_a_peer_process_that_starts_late_is_waited_for_in_its_first_call(first_ms):
+  """Across processes (one GPU, CUDA IPC): process 1 starts its first step 6 s after process 0, three times the
+  plain bound (GCMOE_WAIT_TIMEOUT_MS = 2000), as a slower compile would. The first call's waits have their own bound
+  (GCMOE_FIRST_WAIT_TIMEOUT_MS, default 120 s; role 3 of that call restores the plain one), so both processes run 4
+  bit-exact steps. The control: with that bound at 2 s, process 0's first call gives up on rank 1."""
+  import ep_worker
+
+  results = ep_worker.launch(2, "--steps", "4", "--first-call-skew", "6", "--transport", "fused",
+                             "--shared-intermediate", "0", "--heartbeat", "30", per_process=True, same_gpu=True,
+                             deadline_s=300, GCMOE_WAIT_TIMEOUT_MS="2000", GCMOE_FIRST_WAIT_TIMEOUT_MS=first_ms)
+  for i, (rc, t) in enumerate(results):
+    print(f"\n  process {i}: rc {rc}: {ep_worker.tail(t, 3)}")
+  if first_ms == "2000":
+    assert results[0][0] != 0 and "waited for rank 1 to publish this call" in results[0][1], \
+        ep_worker.tail(results[0][1])
+    return
+  for i, (rc, text) in enumerate(results):
+    assert rc == 0 and "OK 4 steps" in text and text.count("bit-exact") == 4, f"process {i}:\n{ep_worker.tail(text)}"

@@ -218,13 +218,16 @@ _connect_lock = threading.Lock()
 
 def _ipc_export(key: str, device: int, rank: int) -> bytes:
   """The IPC handle of rank ``rank``'s workspace of variant ``key`` on CUDA ordinal ``device`` (allocated and
-  initialised by the library on first use)."""
+  initialised by the library on first use, its first call's waits bounded by GCMOE_FIRST_WAIT_TIMEOUT_MS: the peer
+  processes reach their first call after compiling, not together)."""
   fn = _library.library().gcmoe_ipc_export
   fn.restype = ctypes.c_int
-  fn.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int]
+  fn.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_char_p, ctypes.c_char_p,
+                 ctypes.c_int]
   handle = ctypes.create_string_buffer(IPC_HANDLE_BYTES)
   error = ctypes.create_string_buffer(1024)
-  if fn(key.encode(), device, rank, handle, error, len(error)) != 0:
+  first_ns = int(_config.get("GCMOE_FIRST_WAIT_TIMEOUT_MS")) * 1_000_000
+  if fn(key.encode(), device, rank, first_ns, handle, error, len(error)) != 0:
     raise RuntimeError(f"moe: transport='fused': exporting rank {rank}'s workspace on device {device} failed: "
                        f"{error.value.decode()}")
   return handle.raw

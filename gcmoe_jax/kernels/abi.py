@@ -53,7 +53,7 @@ def tensormap_fields(m: dict) -> tuple[int, ...]:
 HEADER = {
   "epoch": 0,  # u32: completed calls
   "error_flag": 4,  # u32: 0 = no error; set once by the first wait that expires
-  "timeout_ns": 8,  # u64: bound of every spin-wait (globaltimer nanoseconds)
+  "timeout_ns": 8,  # u64: bound of every spin-wait of this call (globaltimer nanoseconds; see steady_timeout_ns)
   "error_role": 16,  # u32
   "error_block": 20,  # u32
   "error_epoch": 24,  # u32
@@ -65,6 +65,10 @@ HEADER = {
   # The fused transport (ranks > 1; docs/fused_transport.md), set once by the runtime before the first replay:
   "x_ready": 48,  # u32: epoch tag of this rank's call whose x, ids, route weights and T are published
   "rank": 52,  # u32: this rank
+  # u64: the spin bound of every call after the first. A group across processes starts with a longer ``timeout_ns``
+  # (GCMOE_FIRST_WAIT_TIMEOUT_MS: a peer process may still be compiling or loading when this rank's first call waits
+  # for it), and role 3 of a fused variant's first call (epoch 0) copies this word into ``timeout_ns``.
+  "steady_timeout_ns": 56,
   "peers": 64,  # u64 [MAX_RANKS]: every rank's workspace base address, this one's included (the peer table)
 }
 MAX_RANKS = 16

@@ -751,7 +751,8 @@ class RoleKernelsV1:
                      w13_scale: cute.Pointer, w2: cute.Pointer, w2_scale: cute.Pointer, s13: cute.Pointer,
                      s13_scale: cute.Pointer, s2: cute.Pointer, s2_scale: cute.Pointer, y: cute.Pointer,
                      workspace: cute.Pointer, tokens: Int32, clamp: Float32):
-    """y[t] = bf16(sum_j o_j + shared) for tokens t = block, block + grid, ...; NaN after a fault; epoch += 1."""
+    """y[t] = bf16(sum_j o_j + shared) for tokens t = block, block + grid, ...; NaN after a fault; epoch += 1 (and,
+    in a fused variant's first call, the steady spin bound into ``header.timeout_ns``)."""
     v, ws = self.v, self.ws
     tid, _, _ = cute.arch.thread_idx()
     bid, _, _ = cute.arch.block_idx()
@@ -810,6 +811,9 @@ class RoleKernelsV1:
         if cutlass.const_expr(self.timeline):
           self._tl_stamp(wsb, epoch + 1, Int32(3))
           self._tl_put(wsb, epoch + 1, Int32(4), Int64(epoch + 1))
+        if cutlass.const_expr(v.ranks > 1):
+          if epoch == 0:  # a group across processes waits longer in its first call only (abi.HEADER)
+            _st(wsb + abi.HEADER["timeout_ns"], _ld(wsb + abi.HEADER["steady_timeout_ns"], Uint64), Uint64)
         _st(wsb + abi.HEADER["epoch"], epoch + 1)
         if fault != 0:
           _mirror_fault(wsb)
