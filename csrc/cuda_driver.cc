@@ -35,12 +35,13 @@ LoadResult Load() {
     r.error = "the CUDA driver has no cuGetProcAddress_v2 (driver older than CUDA 12.0)";
     return r;
   }
-  // cuGetProcAddress returns the newest ABI of a name up to the requested version. Two names gained a new signature
+  // cuGetProcAddress returns the newest ABI of a name up to the requested version. Three names gained a new signature
   // under the same name while cuda.h keeps declaring the old one (cudaTypedefs.h: PFN_cuStreamGetCtx_v12050 takes a
-  // third argument, PFN_cuCtxGetDevice_v13000 a second): ask for the version whose signature the header declares.
+  // third argument, PFN_cuCtxGetDevice_v13000 a second, PFN_cuCtxSynchronize_v13000 a context): ask for the version
+  // whose signature the header declares.
   auto version_of = [](const char* name) {
     if (std::strcmp(name, "cuStreamGetCtx") == 0) return 9020;
-    if (std::strcmp(name, "cuCtxGetDevice") == 0) return 2000;
+    if (std::strcmp(name, "cuCtxGetDevice") == 0 || std::strcmp(name, "cuCtxSynchronize") == 0) return 2000;
     return CUDA_VERSION;
   };
   auto resolve = [&](const char* name, void** fn) {

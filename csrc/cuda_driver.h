@@ -58,6 +58,7 @@ namespace gcmoe {
   X(cuGraphAddChildGraphNode) \
   X(cuStreamUpdateCaptureDependencies) \
   X(cuStreamSynchronize) \
+  X(cuCtxSynchronize) \
   X(cuDeviceGet) \
   X(cuDevicePrimaryCtxRetain) \
   X(cuDeviceCanAccessPeer) \

@@ -270,7 +270,14 @@ class PeerGroup {
                                uint64_t first_timeout_ns, CUipcMemHandle* handle);
   static std::string ConnectIpc(const VariantSpec& spec, int ordinal, const std::vector<CUipcMemHandle>& handles);
   static std::shared_ptr<PeerGroup> FindIpc(const VariantSpec& spec, int ordinal, int rank, std::string* error);
+  // Waits for this process's work on the devices of its groups across processes; "" or the driver's error.
+  static std::string SynchronizeIpc();
+  // Retires every group across processes (after every process synchronised, gcmoe_jax.release_fused_workspaces):
+  // their runtimes refuse further calls, and each group's memory is freed with the last runtime that holds it.
+  // Returns how many were retired.
+  static int RetireIpc();
   ~PeerGroup();
+  bool retired() const { return retired_.load(std::memory_order_acquire); }
   CUdeviceptr workspace(int rank) const { return ws_[rank]; }
   // The spin bound of the group's first call (the variant's own outside groups across processes).
   uint64_t first_timeout_ns() const { return first_timeout_ns_; }
@@ -289,6 +296,7 @@ class PeerGroup {
   int ipc_rank_ = -1;      // across processes: this process's rank (its workspace is the one allocated here)
   bool connected_ = false;  // across processes: the peers' workspaces are open and the peer table written
   uint64_t first_timeout_ns_ = 0;
+  std::atomic<bool> retired_{false};  // across processes: released collectively; no call may use it any more
 };
 
 std::shared_ptr<PeerGroup> PeerGroup::Get(const CudaDriver& cu, const std::shared_ptr<const VariantSpec>& spec,
@@ -466,6 +474,25 @@ std::string PeerGroup::ConnectIpc(const VariantSpec& s, int ordinal, const std::
   return "";
 }
 
+std::string PeerGroup::SynchronizeIpc() {
+  std::lock_guard<std::mutex> lock(IpcMutex());
+  for (const auto& [key, g] : IpcGroups()) {
+    const CudaDriver& cu_ = g->cu_;
+    ScopedContext current(cu_, g->primary_[static_cast<size_t>(g->ipc_rank_)]);
+    GCMOE_CU(current.status());
+    GCMOE_CU(cu_.cuCtxSynchronize());  // the graphs launched on this device's streams, green-context nodes included
+  }
+  return "";
+}
+
+int PeerGroup::RetireIpc() {
+  std::lock_guard<std::mutex> lock(IpcMutex());
+  const int n = static_cast<int>(IpcGroups().size());
+  for (const auto& [key, g] : IpcGroups()) g->retired_.store(true, std::memory_order_release);
+  IpcGroups().clear();  // a later export of the same variant and device starts a new group
+  return n;
+}
+
 std::shared_ptr<PeerGroup> PeerGroup::FindIpc(const VariantSpec& s, int ordinal, int rank, std::string* error) {
   std::lock_guard<std::mutex> lock(IpcMutex());
   auto it = IpcGroups().find(IpcKey(s.digest, ordinal));
@@ -517,7 +544,9 @@ std::shared_ptr<Runtime> Runtime::Get(const CudaDriver& cu, std::shared_ptr<cons
   for (auto it = cache.entries.begin(); it != cache.entries.end();) {  // drop entries whose call sites are gone
     it = it->second.expired() ? cache.entries.erase(it) : std::next(it);
   }
-  if (auto hit = cache.entries[key].lock()) return hit;
+  if (auto hit = cache.entries[key].lock()) {
+    if (hit->Retired().empty()) return hit;  // a released group's runtime serves only the programs traced before it
+  }
   std::shared_ptr<Runtime> rt(new Runtime(cu));
   RelaxedCaptureMode relaxed(cu);
   if (spec->ranks > 1) {  // the fused transport: this rank's workspace is its group's (every device in one group)
@@ -812,8 +841,18 @@ std::string Runtime::SyncAndCheck(CUstream stream) {
   return ReadFault(stream);
 }
 
+// Why this rank's group can no longer be used ("" while it can).
+std::string Runtime::Retired() const {
+  if (group_ == nullptr || !group_->retired()) return "";
+  return "gcmoe_moe: the fused transport's workspaces of this program (rank " + std::to_string(rank_) + " on device " +
+         std::to_string(device_) + ") were released (gcmoe_jax.release_fused_workspaces); a program traced before "
+         "the release cannot run after it: drop it (jax.clear_caches()) and trace the call again";
+}
+
 std::string Runtime::Execute(CUstream stream, const PointerParams& ptrs) {
   std::lock_guard<std::mutex> lock(mutex_);
+  std::string retired = Retired();
+  if (!retired.empty()) return retired;
   ScopedContext current(cu_, primary_);  // the synchronous test-hook copy below needs the device's context
   GCMOE_CU(current.status());
   CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
@@ -863,6 +902,8 @@ std::string Runtime::LaunchGraph(CUstream stream, const PointerParams& ptrs) {
 
 std::string Runtime::Launch(CUstream stream, const PointerParams& ptrs) {
   std::lock_guard<std::mutex> lock(mutex_);
+  std::string retired = Retired();
+  if (!retired.empty()) return retired;
   ScopedContext current(cu_, primary_);
   GCMOE_CU(current.status());
   std::string fault = ReadFault(stream);
@@ -1036,6 +1077,18 @@ GCMOE_EXPORT int gcmoe_ipc_connect(const char* key, int device, const uint8_t* h
   for (size_t p = 0; p < h.size(); ++p) std::memcpy(h[p].reserved, handles + 64 * p, sizeof(h[p].reserved));
   const std::string why = gcmoe::PeerGroup::ConnectIpc(*spec, device, h);
   return why.empty() ? 0 : gcmoe::FailWith(why, error, error_size);
+}
+
+// The collective release of the fused transport's groups across processes (gcmoe_jax/ffi/_cuda.py
+// release_processes): phase 0 waits for this process's work on their devices (returns 0, or -1 with `error`); then,
+// after every process did (a barrier through jax.distributed), phase 1 retires them and returns how many. A retired
+// group's runtimes refuse calls; its memory (this rank's workspace, the peers' mappings) is freed with the last one.
+GCMOE_EXPORT int gcmoe_ipc_release(int phase, char* error, int error_size) {
+  if (phase == 0) {
+    const std::string why = gcmoe::PeerGroup::SynchronizeIpc();
+    return why.empty() ? 0 : gcmoe::FailWith(why, error, error_size);
+  }
+  return gcmoe::PeerGroup::RetireIpc();
 }
 
 // How many graphs were instantiated in this process (tests: one per shape and device, never per call).

@@ -140,6 +140,7 @@ class Runtime {
   // Everything after the green-context pair: cubins, residency, workspace, graph (role_ctx_, partition_ set).
   std::string Build(int64_t tokens, float clamp);
   std::string LaunchGraph(CUstream stream, const PointerParams& ptrs);  // params (when changed), cuGraphLaunch
+  std::string Retired() const;  // why this rank's group across processes was released ("" while usable)
   std::string ReadFault(CUstream stream);   // this runtime's fault record, cleared ("" when none)
   std::string CheckFault(CUstream stream);  // ReadFault through the process's FaultBoard
   std::string SetParams(const PointerParams& ptrs, bool exec);

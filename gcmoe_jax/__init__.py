@@ -18,5 +18,6 @@ from gcmoe_jax.formats import dequantize_experts as dequantize_experts
 from gcmoe_jax.formats import from_mxfp4 as from_mxfp4
 from gcmoe_jax.formats import quantize_experts as quantize_experts
 from gcmoe_jax.formats import to_mxfp4 as to_mxfp4
+from gcmoe_jax.sharding import release_fused_workspaces as release_fused_workspaces
 
 __version__ = "0.1.0"

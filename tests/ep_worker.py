@@ -13,7 +13,8 @@ rank; ``--stall-at S`` makes rank ``--fault-rank``'s role 1 withhold a local exp
 stall hook), as a stalled rank: its role 2 waits past GCMOE_WAIT_TIMEOUT_MS, that call's outputs become NaN and
 a later call raises the fault naming the device. ``--first-call-skew S``: process ``--fault-rank`` starts its first
 step S seconds after the others (past GCMOE_WAIT_TIMEOUT_MS: the first call's waits have their own bound,
-GCMOE_FIRST_WAIT_TIMEOUT_MS). ``--exchange N`` runs N `sharding._peers` exchanges instead of steps. ``--backend
+GCMOE_FIRST_WAIT_TIMEOUT_MS). ``--release``: after the steps, `gm.release_fused_workspaces` and a fresh trace.
+``--exchange N`` runs N `sharding._peers` exchanges instead of steps. ``--backend
 cpu`` runs everything on CPU devices (the harness's own tests, tests/test_ep_processes.py).
 """
 
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--stall-at", type=int, default=-1)
   p.add_argument("--fault-rank", type=int, default=1)
   p.add_argument("--first-call-skew", type=float, default=0.0)
+  p.add_argument("--release", action="store_true", help="after the steps: release the fused workspaces, reconnect")
   p.add_argument("--exchange", type=int, default=0, help="instead of steps: this many `sharding._peers` exchanges")
   p.add_argument("--exchange-timeout-ms", type=int, default=30_000)
   p.add_argument("--shared-intermediate", type=int, default=256, help="the shared expert's I (0: none)")
@@ -190,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                              clamp=10.0))
     # A first step that gave up on a late peer (--first-call-skew past its bound) has NaN outputs; the next call
     # raises the recorded fault.
-    late = n == 0 and args.first_call_skew > 0 and any(np.isnan(np.asarray(s.data)).any() for s in y.addressable_shards)
+    late = n == 0 and args.first_call_skew > 0 and any(np.isnan(np.asarray(s.data)).any()
+                                                       for s in y.addressable_shards)
     for s in y.addressable_shards:
       got = np.asarray(s.data)
       if stalled or late:
@@ -207,8 +210,60 @@ def main(argv: list[str] | None = None) -> int:
   if args.backend == "cuda" and graph_instantiations() != graphs:
     print(f"process {me}: graphs were instantiated inside the loop: {graphs} -> {graph_instantiations()}", flush=True)
     return 1
-  print(f"OK {args.steps} steps in {time.perf_counter() - t0:.1f} s", flush=True)
+  elapsed = time.perf_counter() - t0
+  if args.release:
+    args_now = (global_array(x, tokens), w_global, global_array(ids, tokens), global_array(wt, tokens))
+    old = [step]  # the only reference left to the program traced before the release
+    del step, y
+    if not _release_and_reconnect(old, lambda: jax.jit(jax.shard_map(
+        body, mesh=mesh, in_specs=(P("ep"), sharding.expert_specs(w), P("ep"), P("ep")), out_specs=P("ep"))),
+                                  args_now, want):
+      return 1
+  print(f"OK {args.steps} steps in {elapsed:.1f} s", flush=True)
   return 0
+
+
+def _release_and_reconnect(old: list, make_step, inputs, want) -> bool:
+  """``--release``: the collective `gm.release_fused_workspaces` after the steps; where it released groups (the fused
+  transport across processes) the program traced before must then refuse to run (naming the release), else it
+  still runs; its runtimes go with it, and a program traced afresh (exchanging new workspaces) is bit-exact again
+  on the last step's inputs."""
+  import gc
+
+  import jax
+
+  import gcmoe_jax as gm
+  from gcmoe_jax import ffi
+
+  me = jax.process_index()
+  released = gm.release_fused_workspaces()
+  try:
+    np.asarray(old[0](*inputs).addressable_shards[0].data)
+    if released:
+      print(f"process {me}: the program traced before the release still ran", flush=True)
+      return False
+    print(f"process {me}: released no groups (none across processes); the old program still runs", flush=True)
+  except Exception as e:  # the FFI error surfaces as jax's runtime error
+    if not released or "were released" not in str(e):
+      raise
+    print(f"process {me}: released {released} groups; the old program refused: {str(e).splitlines()[0][:160]}",
+          flush=True)
+  before = ffi.live_runtimes()
+  old.clear()
+  jax.clear_caches()
+  gc.collect()
+  after = ffi.live_runtimes()
+  if released and not after < before:
+    print(f"process {me}: the old program's runtimes outlived it: {before} -> {after}", flush=True)
+    return False
+  y = make_step()(*inputs)
+  for s in y.addressable_shards:
+    if not np.array_equal(np.asarray(s.data).view(np.uint16), want[s.index].view(np.uint16)):
+      print(f"process {me}: after the release shard {s.index[0].start or 0} MISMATCH", flush=True)
+      return False
+  print(f"process {me}: after the release: runtimes {before} -> {after} when the old program went, a new trace "
+        f"bit-exact", flush=True)
+  return True
 
 
 def _exchange(args) -> int:

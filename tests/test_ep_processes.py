@@ -12,12 +12,14 @@ import pytest
 @pytest.mark.parametrize("per_process", [False, True], ids=["one-process", "process-per-device"])
 def test_ranks_on_cpu_devices_are_exact(per_process):
   """Rank 1's process also starts its first step a second late (``--first-call-skew``, the GPU drill of
-  tests/test_fused.py): the collectives wait for it."""
-  results = ep_worker.launch(2, "--steps", "3", "--first-call-skew", "1", per_process=per_process, cpu=True,
-                             deadline_s=180)
+  tests/test_fused.py): the collectives wait for it; then ``--release`` (`gm.release_fused_workspaces`, collective:
+  no group to release with the collective transport) and a fresh trace, exact again."""
+  results = ep_worker.launch(2, "--steps", "3", "--first-call-skew", "1", "--release", per_process=per_process,
+                             cpu=True, deadline_s=180)
   for i, (rc, text) in enumerate(results):
     assert rc == 0 and "OK 3 steps" in text, f"worker {i} (rc {rc}):\n{ep_worker.tail(text)}"
     assert len(re.findall(r"step \d bit-exact", text)) == 3, ep_worker.tail(text)
+    assert "released no groups" in text and "a new trace bit-exact" in text, ep_worker.tail(text)
 
 
 def test_a_killed_process_ends_the_other_with_a_diagnostic():

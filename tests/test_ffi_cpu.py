@@ -535,6 +535,56 @@ def test_connect_processes_hands_every_rank_its_peers_handles_in_rank_order(monk
     run(0, None, key="another-variant")
 
 
+def test_release_waits_meets_the_other_processes_then_retires_and_reconnects_later(monkeypatch):
+  """`_cuda.release_processes` (the collective `gm.release_fused_workspaces`): the library waits for this process's
+  devices (phase 0), the processes meet through the exchange (a fresh name per release), then the library retires
+  the groups (phase 1) and the next trace exchanges handles again. The library's entry points are recorded."""
+  import collections
+  import types
+
+  from gcmoe_jax.ffi import _cuda
+
+  calls = []
+
+  def release(phase, error, size):
+    calls.append(f"phase {phase}")
+    return 0 if phase == 0 else 3
+
+  monkeypatch.setattr(_library, "library", lambda: types.SimpleNamespace(gcmoe_ipc_release=release))
+  monkeypatch.setattr(_cuda, "_connected", {"variant"})
+  monkeypatch.setattr(_cuda, "_exchanges", collections.Counter())
+  monkeypatch.setattr(_cuda, "_releases", 0)
+  monkeypatch.setattr(_cuda, "_ipc_export", lambda key, device, rank: bytes(_cuda.IPC_HANDLE_BYTES))
+  monkeypatch.setattr(_cuda, "_ipc_connect", lambda key, device, hs: calls.append(f"connect {device}"))
+
+  def exchange(name, payload):
+    calls.append(name)
+    return [payload, b"".join(_cuda._RECORD.pack(0, 1) + bytes(_cuda.IPC_HANDLE_BYTES) for _ in [0])]
+
+  _cuda.connect_processes("variant", "v", ((0, -2),), exchange)  # connected before: nothing happens
+  assert _cuda.release_processes(exchange) == 3
+  assert _cuda.release_processes(exchange) == 3
+  assert calls == ["phase 0", "gcmoe_jax.release.0", "phase 1", "phase 0", "gcmoe_jax.release.1", "phase 1"]
+  calls.clear()
+  _cuda.connect_processes("variant", "v", ((0, -2),), exchange)  # the next trace connects anew
+  assert calls == ["v.0", "connect 0"]
+  calls.clear()
+  failing = lambda phase, error, size: calls.append(f"phase {phase}") or -1
+  monkeypatch.setattr(_library, "library", lambda: types.SimpleNamespace(gcmoe_ipc_release=failing))
+  with pytest.raises(RuntimeError, match=r"release_fused_workspaces: waiting for this process's devices failed"):
+    _cuda.release_processes(exchange)
+  assert calls == ["phase 0"]  # no barrier, nothing retired
+
+
+def test_release_with_no_groups_across_processes_only_waits():
+  """One process, no CUDA: the real library finds no group to wait for or retire (nothing needs a GPU)."""
+  import gcmoe_jax as gm
+
+  if _library.library() is None:
+    pytest.skip("needs the FFI library")
+  assert gm.release_fused_workspaces() == 0
+
+
 def test_ipc_entry_points_refuse_an_unregistered_variant():
   """The library's export/connect name the variant they do not know (no GPU needed to get there)."""
   from gcmoe_jax.ffi import _cuda

@@ -213,6 +213,23 @@ def test_a_stalled_rank_in_another_process_makes_both_raise():
   assert all(rc != 0 for rc, _ in results), "a rank finished all steps although rank 1 stalled"
 
 
+def test_releasing_the_workspaces_across_processes_refuses_old_programs_and_a_new_trace_reconnects():
+  """`gm.release_fused_workspaces` (collective) after 3 steps in each of two processes on one GPU: each process
+  retires its group, the program traced before raises naming the release (XLA command buffers off, so the handler
+  sees every call), its runtime goes with it (live runtimes drop), and a fresh trace exchanges new workspaces and is
+  bit-exact on the last step's inputs."""
+  import ep_worker
+
+  results = ep_worker.launch(2, "--steps", "3", "--release", "--transport", "fused", "--shared-intermediate", "0",
+                             per_process=True, same_gpu=True, deadline_s=300, GCMOE_WAIT_TIMEOUT_MS="10000",
+                             XLA_FLAGS="--xla_gpu_enable_command_buffer=")
+  for i, (rc, text) in enumerate(results):
+    print(f"\n  process {i}: rc {rc}: " + "\n  ".join(l for l in text.splitlines() if "release" in l))
+    assert rc == 0 and "OK 3 steps" in text, f"process {i}:\n{ep_worker.tail(text)}"
+    assert "released 1 groups; the old program refused" in text and "a new trace bit-exact" in text, \
+        ep_worker.tail(text)
+
+
 @pytest.mark.parametrize("first_ms", ["120000", "2000"], ids=["first-call-bound", "plain-bound"])
 def test_a_peer_process_that_starts_late_is_waited_for_in_its_first_call(first_ms):
   """Across processes (one GPU, CUDA IPC): process 1 starts its first step 6 s after process 0, three times the

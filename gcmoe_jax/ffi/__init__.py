@@ -23,5 +23,6 @@ from gcmoe_jax.ffi._cuda import device_arch as device_arch
 from gcmoe_jax.ffi._cuda import graph_instantiations as graph_instantiations
 from gcmoe_jax.ffi._cuda import live_runtimes as live_runtimes
 from gcmoe_jax.ffi._cuda import live_states as live_states
+from gcmoe_jax.ffi._cuda import release_processes as release_processes
 from gcmoe_jax.ffi._cuda import kernels_support as kernels_support
 from gcmoe_jax.ffi._virtual import VirtualRanks as VirtualRanks

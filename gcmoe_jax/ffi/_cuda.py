@@ -214,6 +214,7 @@ _RECORD = struct.Struct("<ii")  # (group index, rank) before each handle of an e
 _connected: set[str] = set()
 _exchanges: collections.Counter[str] = collections.Counter()
 _connect_lock = threading.Lock()
+_releases = 0  # release_processes calls so far (names its barriers)
 
 
 def _ipc_export(key: str, device: int, rank: int) -> bytes:
@@ -288,6 +289,35 @@ def connect_processes(key: str, name: str, peer_groups: tuple[tuple[int, ...], .
         handles.append(sent[p][(g, q)])
       _ipc_connect(key, d, handles)
     _connected.add(key)
+
+
+def release_processes(exchange: Exchange) -> int:
+  """Releases this process's ranks of the fused transport's groups across processes; collective: every process
+  of the job calls it, after its last call through them. Each process waits for its work on those devices, meets
+  the others through ``exchange`` (so no peer still reads a workspace when it goes), then retires its groups:
+  their programs refuse further calls (naming the release), and each workspace and peer mapping is freed with the
+  last program that holds it (`jax.clear_caches()` drops jax's). A later trace connects anew. Returns how many
+  groups this process retired (0 without any: groups in one process and virtual ranks free with their programs).
+
+  Raises:
+    RuntimeError: the driver's error while waiting for the devices (nothing is released then).
+  """
+  global _releases
+  with _connect_lock:
+    lib = _library.library()
+    sync = getattr(lib, "gcmoe_ipc_release", None) if lib is not None else None
+    if sync is not None:
+      sync.restype = ctypes.c_int
+      sync.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+      error = ctypes.create_string_buffer(1024)
+      if sync(0, error, len(error)) != 0:
+        raise RuntimeError(f"release_fused_workspaces: waiting for this process's devices failed: "
+                           f"{error.value.decode()}")
+    exchange(f"gcmoe_jax.release.{_releases}", b"")  # the barrier: every process is done with every workspace
+    _releases += 1
+    retired = sync(1, None, 0) if sync is not None else 0
+    _connected.clear()
+    return int(retired)
 
 
 def _process_counter(symbol: str) -> int:

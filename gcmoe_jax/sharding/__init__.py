@@ -10,6 +10,7 @@ from gcmoe_jax.sharding._body import moe_shard_map_body as moe_shard_map_body
 from gcmoe_jax.sharding._body import moe_shard_map_body_with_stats as moe_shard_map_body_with_stats
 from gcmoe_jax.sharding._partitioned import moe_partitioned as moe_partitioned
 from gcmoe_jax.sharding._partitioned import moe_partitioned_with_stats as moe_partitioned_with_stats
+from gcmoe_jax.sharding._peers import release_fused_workspaces as release_fused_workspaces
 from gcmoe_jax.sharding._specs import expert_shardings as expert_shardings
 from gcmoe_jax.sharding._specs import expert_specs as expert_specs
 from gcmoe_jax.sharding._transport import TRANSPORTS as TRANSPORTS
@@ -24,4 +25,5 @@ __all__ = [
   "moe_partitioned_with_stats",
   "moe_shard_map_body",
   "moe_shard_map_body_with_stats",
+  "release_fused_workspaces",
 ]

@@ -12,9 +12,9 @@ import threading
 
 import jax
 
-from gcmoe_jax import _compat
+from gcmoe_jax import _compat, ffi
 
-__all__ = ["exchange"]
+__all__ = ["exchange", "release_fused_workspaces"]
 
 _PREFIX = "gcmoe_jax/peers"
 _used: set[str] = set()
@@ -62,3 +62,22 @@ def exchange(name: str, payload: bytes, *, timeout_ms: int = 60_000) -> list[byt
       raise TimeoutError(f"exchange: process {p} did not publish {name!r} within {timeout_ms} ms (this is process "
                          f"{me} of {n})") from e
   return out
+
+
+def release_fused_workspaces(*, timeout_ms: int = 60_000) -> int:
+  """Frees the fused transport's workspaces shared across processes (CUDA IPC); collective: every process of the
+  job calls it once it made its last ``transport="fused"`` call. Each process waits for its devices, meets the
+  others (an `exchange`, so no peer still reads a workspace when it goes) and releases its ranks' groups: a program
+  traced before raises if it runs again, and the memory (this process's workspaces and its mappings of the peers')
+  is freed with the last program that holds it, at once after `jax.clear_caches()` unless the caller keeps compiled
+  programs alive. A later trace exchanges new workspaces. Groups within one process free with their programs and
+  need no call; with one process this only waits for the devices.
+
+  Returns:
+    How many groups this process released.
+
+  Raises:
+    TimeoutError: a process did not reach the release within ``timeout_ms`` (naming it; nothing was released).
+    RuntimeError: the driver's error while waiting for this process's devices.
+  """
+  return ffi.release_processes(lambda name, payload: exchange(name, payload, timeout_ms=timeout_ms))
