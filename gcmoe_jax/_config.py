@@ -27,8 +27,9 @@ def _kernels(text: str) -> str:
 
 def _ablation(text: str) -> str:
   if text not in ("", "nomath", "nogemm2", "widedecode", "tma", "static", "evenbodies",
-                  "timeline", "nosingle"):
-    raise ValueError("expected nomath, nogemm2, widedecode, tma, static, evenbodies, timeline, nosingle or empty")
+                  "timeline", "nosingle", "twoplane"):
+    raise ValueError("expected nomath, nogemm2, widedecode, tma, static, evenbodies, timeline, nosingle, twoplane or "
+                     "empty")
   return text
 
 
@@ -69,7 +70,9 @@ VARS = {v.name: v for v in (
                                        "exact, for A/B timing; timeline: %globaltimer stamps per role and role-2 "
                                        "item after the workspace, results exact, read by python -m "
                                        "gcmoe_jax.bench.timeline; nosingle: one- and two-row passes as 1-tile passes, "
-                                       "results exact, for A/B timing); "
+                                       "results exact, for A/B timing; twoplane: the wide passes' instruction mix "
+                                       "of two FP16 digit planes (4 MMAs, a 3-instruction epilogue), results "
+                                       "wrong, timing only); "
                                        "part of the cubin key"),
   Var("GCMOE_WAIT_TIMEOUT_MS", int, 2000, "bound of every device spin-wait; expiry becomes a Python exception"),
   Var("GCMOE_FIRST_WAIT_TIMEOUT_MS", int, 120_000, "bound of the spin-waits of the first call of the fused "

@@ -165,9 +165,13 @@ def test_a_stalled_rank_raises_naming_its_device(ranks, per_process):
 def test_the_fused_transport_in_subprocesses_stays_exact(ranks, per_process):
   """`gm.moe(..., axis_name="ep", transport="fused")` inside shard_map over every GPU: one process driving them
   (peer access) or one process per GPU (CUDA IPC handles through jax.distributed, docs/fused_transport.md "Across
-  processes"); 200 steps of fresh inputs, every 50th bit-exact. Cubins: `--preset multigpu` (512,256,8,4,8,rR)."""
+  processes"); 200 steps of fresh inputs, every 50th bit-exact; then `gm.release_fused_workspaces()` and a fresh
+  trace, exact again (across processes the old program must refuse to run; XLA command buffers are off so that its
+  handler sees the call). Cubins: `--preset multigpu` (512,256,8,4,8,rR)."""
   results = _launch(ranks, "--steps", "200", "--check-every", "50", "--transport", "fused", "--shared-intermediate",
-                    "0", per_process=per_process, deadline_s=300)
+                    "0", "--release", per_process=per_process, deadline_s=300,
+                    XLA_FLAGS="--xla_gpu_enable_command_buffer=")
   for i, (rc, text) in enumerate(results):
     print(f"\n  worker {i}: {_tail(text, 2)}")
     assert rc == 0 and "OK 200 steps" in text, f"worker {i} (rc {rc}):\n{_tail(text)}"
+    assert "a new trace bit-exact" in text and ("the old program refused" in text) == per_process, _tail(text)

@@ -1688,17 +1688,28 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       b0 = _lds2(xp)
       b1 = _lds2(xp + 32)
       b2 = _lds2(xp + 64)
-      s1 = mma(b1, zero4)
-      r0 = mma(b0, tuple(s1[c] * (1 << abi.DIGIT_BITS) + MAGIC for c in range(4)))
-      r2 = mma(b2, magic4)
       # Exponent words of block s of this thread's two columns (slots 8 i + 2 t4 and + 1).
       xe = (_lds(sb + xe_off + (8 * i + 2 * t4) * 16 + 4 * s), _lds(sb + xe_off + (8 * i + 2 * t4 + 1) * 16 + 4 * s))
-      for c in cutlass.range_constexpr(4):
-        xw = xe[c % 2]
-        tf = v1._fadd(r0[c], MAGIC_NEG)
-        sf = v1._fadd(r2[c], MAGIC_NEG)
-        df = _fma(sf, F32_4096, tf)  # f32(D), rounded once (= cvt.rn.f32.s32 of D)
-        acc[4 * i + c] = _scaled_add(fast, df, xw, wb[c // 2], acc[4 * i + c])
+      if cutlass.const_expr(self.ablation == "twoplane" and nt > SPLIT_DECODE_NT):
+        # Timing only (wrong results): the instruction mix of two FP16 digit planes (docs/kernels_v2.md "A candidate
+        # against the epilogue bound"): 4 MMAs and B loads per block, f32(D) = fma(S1, 512, S0) from the MMAs' FP32
+        # sums, then the scaled add; the int8 MMAs stand in for m16n8k16 HMMA.
+        b3 = _lds2(xp + 16)
+        p0 = mma(b1, mma(b0, zero4))
+        p1 = mma(b3, mma(b2, zero4))
+        for c in cutlass.range_constexpr(4):
+          df = _fma(p1[c], Int32(v1._f32_bits(512.0)), p0[c])
+          acc[4 * i + c] = _scaled_add(fast, df, xe[c % 2], wb[c // 2], acc[4 * i + c])
+      else:
+        s1 = mma(b1, zero4)
+        r0 = mma(b0, tuple(s1[c] * (1 << abi.DIGIT_BITS) + MAGIC for c in range(4)))
+        r2 = mma(b2, magic4)
+        for c in cutlass.range_constexpr(4):
+          xw = xe[c % 2]
+          tf = v1._fadd(r0[c], MAGIC_NEG)
+          sf = v1._fadd(r2[c], MAGIC_NEG)
+          df = _fma(sf, F32_4096, tf)  # f32(D), rounded once (= cvt.rn.f32.s32 of D)
+          acc[4 * i + c] = _scaled_add(fast, df, xw, wb[c // 2], acc[4 * i + c])
 
     if cutlass.const_expr(single == 1):
       # Columns 0 and 2 hold plane 0, 1 and 3 plane 1, 4-7 plane 2 (lane g reads the plane of column g), so lane
