@@ -1688,13 +1688,18 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       b0 = _lds2(xp)
       b1 = _lds2(xp + 32)
       b2 = _lds2(xp + 64)
-      # Exponent words of block s of this thread's two columns (slots 8 i + 2 t4 and + 1).
-      xe = (_lds(sb + xe_off + (8 * i + 2 * t4) * 16 + 4 * s), _lds(sb + xe_off + (8 * i + 2 * t4 + 1) * 16 + 4 * s))
+
+      def exps():
+        """Exponent words of block s of this thread's two columns (slots 8 i + 2 t4 and + 1)."""
+        return (_lds(sb + xe_off + (8 * i + 2 * t4) * 16 + 4 * s),
+                _lds(sb + xe_off + (8 * i + 2 * t4 + 1) * 16 + 4 * s))
+
       if cutlass.const_expr(self.ablation == "twoplane" and nt > SPLIT_DECODE_NT):
         # Timing only (wrong results): the instruction mix of two FP16 digit planes (docs/kernels_v2.md "A candidate
         # against the epilogue bound"): 4 MMAs and B loads per block, f32(D) = fma(S1, 512, S0) from the MMAs' FP32
         # sums, then the scaled add; the int8 MMAs stand in for m16n8k16 HMMA.
         b3 = _lds2(xp + 16)
+        xe = exps()
         p0 = mma(b1, mma(b0, zero4))
         p1 = mma(b3, mma(b2, zero4))
         for c in cutlass.range_constexpr(4):
@@ -1704,6 +1709,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         s1 = mma(b1, zero4)
         r0 = mma(b0, tuple(s1[c] * (1 << abi.DIGIT_BITS) + MAGIC for c in range(4)))
         r2 = mma(b2, magic4)
+        xe = exps()
         for c in cutlass.range_constexpr(4):
           xw = xe[c % 2]
           tf = v1._fadd(r0[c], MAGIC_NEG)
