@@ -61,28 +61,20 @@ extern "C" __global__ void exact_hmma(const uint16_t* a, const uint16_t* b, floa
   D[(g + 8) * 8 + 2 * t4 + 1] = acc[3];
 }
 
-extern "C" __global__ void rate_hmma(int iters, float* out) {
-  const uint32_t a[4] = {0x3c003c00u ^ threadIdx.x, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u};
-  const uint32_t b[2] = {0x3c003c00u, 0x3c003c00u ^ (threadIdx.x & 1)};
-  float acc[8][4] = {};
+// One loop for both rates: T is the accumulator type, Mma the instruction, `one` a register of ones of its inputs.
+template <typename T, void (*Mma)(T*, const uint32_t*, const uint32_t*, const T*)>
+__device__ void rate(int iters, float* out, uint32_t one) {
+  const uint32_t a[4] = {one ^ threadIdx.x, one, one, one};
+  const uint32_t b[2] = {one, one ^ (threadIdx.x & 1)};
+  T acc[8][4] = {};
   for (int it = 0; it < iters; ++it) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) hmma(acc[j], a, b, acc[j]);
+    for (int j = 0; j < 8; ++j) Mma(acc[j], a, b, acc[j]);
   }
-  float s = 0.f;
-  for (int j = 0; j < 8; ++j) s += acc[j][0] + acc[j][1] + acc[j][2] + acc[j][3];
-  out[blockIdx.x * blockDim.x + threadIdx.x] = s;
-}
-
-extern "C" __global__ void rate_imma(int iters, float* out) {
-  const uint32_t a[4] = {0x01010101u ^ threadIdx.x, 0x01010101u, 0x01010101u, 0x01010101u};
-  const uint32_t b[2] = {0x01010101u, 0x01010101u ^ (threadIdx.x & 1)};
-  int acc[8][4] = {};
-  for (int it = 0; it < iters; ++it) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) imma(acc[j], a, b, acc[j]);
-  }
-  int s = 0;
+  T s = 0;
   for (int j = 0; j < 8; ++j) s += acc[j][0] + acc[j][1] + acc[j][2] + acc[j][3];
   out[blockIdx.x * blockDim.x + threadIdx.x] = static_cast<float>(s);
 }
+
+extern "C" __global__ void rate_hmma(int iters, float* out) { rate<float, hmma>(iters, out, 0x3c003c00u); }
+extern "C" __global__ void rate_imma(int iters, float* out) { rate<int, imma>(iters, out, 0x01010101u); }
