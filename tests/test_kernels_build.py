@@ -467,6 +467,21 @@ def test_the_static_ablation_builds_the_round_robin(cache, monkeypatch):
 
 @needs_dsl
 @pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
+def test_the_twoplane_ablation_has_four_mmas_per_block_in_wide_passes(cache, monkeypatch):
+  """GCMOE_ABLATION=twoplane (timing only: the instruction mix of two FP16 digit planes, docs/kernels_v2.md) gives
+  the passes of more than two n-tiles 4 int8 MMAs per block instead of 3 and no magic-number conversion chain, under
+  its own key; the shared-expert variant has 8-tile passes, and still does not spill."""
+  normal = build.compile_variant("sm_90a", SMALL_SHARED, cache_dir=cache)
+  monkeypatch.setenv("GCMOE_ABLATION", "twoplane")
+  meta = build.compile_variant("sm_90a", SMALL_SHARED, cache_dir=cache)
+  assert "+twoplane-" in meta["key"]
+  mmas = [_ptx(m, 2).count("mma.sync.aligned.m16n8k32") for m in (normal, meta)]
+  assert mmas[1] > mmas[0], mmas
+  assert all(r["spill_bytes"] == 0 for r in meta["roles"])
+
+
+@needs_dsl
+@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
 def test_the_timeline_build_stamps_every_role(built, cache, monkeypatch):
   """GCMOE_ABLATION=timeline (`gcmoe_jax.bench.timeline`) adds %globaltimer reads to roles 1, 2 and 3 (the normal
   build reads the timer only in its bounded waits), under its own key."""
