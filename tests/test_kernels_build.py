@@ -536,3 +536,21 @@ def test_parse_ptx_entry_rejects_two_entries():
 def test_cli_requires_a_variant(capsys):
   assert cli_main(["build-kernels", "--out", "/nonexistent-never-created"]) == 2
   assert "at least one --variant or --preset" in capsys.readouterr().err
+
+
+def test_every_preset_names_valid_distinct_variants():
+  """`build-kernels --preset`: each preset's variants pass `Variant`'s checks and none repeats; `fused-paper` (the
+  fused rows of `bench.ep`, issue 11) holds both paper models per rank at R = 2, 4, 8 and every capacity, with the
+  return path `ffi._cuda.prepare` picks (the geometry's at B = capacity)."""
+  from gcmoe_jax import geometry
+  from gcmoe_jax.commands import build_kernels
+
+  for name, preset in build_kernels.PRESETS.items():
+    variants = [Variant(*fields) for fields in preset()]
+    assert len(set(variants)) == len(variants), name
+  paper = {(v.hidden, v.experts, v.ranks, v.capacity): v.relay
+           for v in (Variant(*f) for f in build_kernels.PRESETS["fused-paper"]())}
+  for m in geometry.MODELS.values():
+    for r in (2, 4, 8):
+      for cap in (8, 16, 32, 64, 256):
+        assert paper[(m.H, m.E // r, r, cap)] == geometry.relay_staging(r, cap, cap, m.k, m.E // r, m.H, False)[0]

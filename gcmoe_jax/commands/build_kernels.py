@@ -78,7 +78,21 @@ def _preset_fused() -> list[tuple[int, ...]]:
   return small + paper
 
 
-PRESETS = {"tests": _preset_tests, "paper": _preset_paper, "multigpu": _preset_multigpu, "fused": _preset_fused}
+def _preset_fused_paper() -> list[tuple[int, ...]]:
+  """`python -m gcmoe_jax.bench.ep --transport fused` on 2, 4 and 8 GPUs (issue 11): both paper models per rank (L =
+  E / R local experts, top-k of the model) at every token capacity, routed, each with the return path the geometry
+  picks at B = capacity (as `ffi._cuda.prepare` does)."""
+  out = []
+  for m in geometry.MODELS.values():
+    for r in (2, 4, 8):
+      for cap in _PAPER_CAPACITIES:
+        relay = geometry.relay_staging(r, cap, cap, m.k, m.E // r, m.H, False)[0]
+        out.append((m.H, m.I, m.E // r, m.k, cap, None, None, r, relay))
+  return out
+
+
+PRESETS = {"tests": _preset_tests, "paper": _preset_paper, "multigpu": _preset_multigpu, "fused": _preset_fused,
+           "fused-paper": _preset_fused_paper}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
