@@ -260,8 +260,9 @@ std::string InitWorkspace(const CudaDriver& cu, CUdeviceptr ws, const VariantSpe
 // others): this process's rank allocates and initialises its own workspace and exports its IPC handle (ExportIpc),
 // the processes exchange the handles before the first call (gcmoe_jax.ffi, through jax.distributed's key-value
 // store: a handle is published only after its workspace was initialised), and ConnectIpc opens every peer's and
-// writes the peer table. The runtime then finds the group by (variant, device). Such a group lives until the
-// process exits: the peers may read its workspace as long as they run, and nothing tells this process when they stop.
+// writes the peer table. The runtime then finds the group by (variant, device). Such a group lives until the job
+// releases it collectively (SynchronizeIpc, a barrier between the processes, RetireIpc: the peers may read its
+// workspace as long as they run, and only they can say when they stop), else until the process exits.
 class PeerGroup {
  public:
   static std::shared_ptr<PeerGroup> Get(const CudaDriver& cu, const std::shared_ptr<const VariantSpec>& spec,
@@ -404,7 +405,9 @@ std::string PeerGroup::ExportIpc(const CudaDriver& cu, const VariantSpec& s, int
            " ranks; expected R >= 2 and a rank in [0, R)";
   }
   std::lock_guard<std::mutex> lock(IpcMutex());
-  std::shared_ptr<PeerGroup>& group = IpcGroups()[IpcKey(s.digest, ordinal)];
+  const IpcKey key(s.digest, ordinal);
+  auto found = IpcGroups().find(key);
+  std::shared_ptr<PeerGroup> group = found == IpcGroups().end() ? nullptr : found->second;
   if (group != nullptr && group->ipc_rank_ != rank) {
     return "gcmoe_ipc_export: device " + std::to_string(ordinal) + " already exported this variant as rank " +
            std::to_string(group->ipc_rank_) + ", not " + std::to_string(rank);
@@ -428,7 +431,8 @@ std::string PeerGroup::ExportIpc(const CudaDriver& cu, const VariantSpec& s, int
     // A peer process may still be compiling or loading when this rank's first call waits for it.
     g->first_timeout_ns_ = std::max(first_timeout_ns, s.timeout_ns);
     std::string err = InitWorkspace(cu, g->ws_[me], s, header, first_timeout_ns);
-    if (!err.empty()) return err;
+    if (!err.empty()) return err;  // ~PeerGroup frees what was allocated; the registry holds only complete groups
+    IpcGroups()[key] = g;
     group = std::move(g);
   }
   const auto& cu_ = cu;
@@ -784,8 +788,9 @@ std::string Runtime::ReadFault(CUstream stream) {
                     ", observed " + std::to_string(h->error_observed);
   // The first call of a group across processes waited with its own, longer bound (InitWorkspace).
   const bool first = h->error_epoch == 1 && group_ != nullptr && group_->first_timeout_ns() > spec_->timeout_ns;
-  const std::string bound = std::to_string((first ? group_->first_timeout_ns() : spec_->timeout_ns) / 1000000) +
-                            (first ? " ms, GCMOE_FIRST_WAIT_TIMEOUT_MS (the first call)" : " ms, GCMOE_WAIT_TIMEOUT_MS");
+  const std::string bound =
+      std::to_string((first ? group_->first_timeout_ns() : spec_->timeout_ns) / 1000000) +
+      (first ? " ms, GCMOE_FIRST_WAIT_TIMEOUT_MS (the first call)" : " ms, GCMOE_WAIT_TIMEOUT_MS");
   if (h->error_role == 1) {
     msg += " (role 1 read expert id " + std::to_string(static_cast<int32_t>(h->error_counter)) +
            ", outside [0, E): routes.ids must be < E)";
@@ -799,8 +804,8 @@ std::string Runtime::ReadFault(CUstream stream) {
                                     std::to_string(h->error_observed) + " row tiles arrived";
     msg += " within " + bound + ": a peer stalled or died; the outputs of that call were set to NaN)";
   } else if (h->error_role == 2 && (h->error_counter & 0xffff0000u) == 0x80000u) {  // abi.WAIT_PIPE
-    msg += " (role 2's pipeline waited longer than " + std::to_string(spec_->timeout_ns / 1000000) +
-           " ms, GCMOE_WAIT_TIMEOUT_MS, for the copies of K128 block " + std::to_string(h->error_observed) +
+    msg += " (role 2's pipeline waited longer than " + bound + ", for the copies of K128 block " +
+           std::to_string(h->error_observed) +
            " (a TMA or bulk copy that never completed: a bad weight pointer or TensorMap); the outputs of that call "
            "were set to NaN)";
   } else {
@@ -851,8 +856,6 @@ std::string Runtime::Retired() const {
 
 std::string Runtime::Execute(CUstream stream, const PointerParams& ptrs) {
   std::lock_guard<std::mutex> lock(mutex_);
-  std::string retired = Retired();
-  if (!retired.empty()) return retired;
   ScopedContext current(cu_, primary_);  // the synchronous test-hook copy below needs the device's context
   GCMOE_CU(current.status());
   CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
@@ -863,8 +866,12 @@ std::string Runtime::Execute(CUstream stream, const PointerParams& ptrs) {
   GCMOE_CU(cu_.cuStreamGetCaptureInfo(stream, &status, nullptr, &capture_graph, &deps, &edges, &ndeps));
   const bool capturing = status == CU_STREAM_CAPTURE_STATUS_ACTIVE;
   if (!capturing) {
-    std::string fault = CheckFault(stream);
+    std::string fault = CheckFault(stream);  // a fault of a call before the release is reported first
     if (!fault.empty()) return fault;
+  }
+  std::string retired = Retired();
+  if (!retired.empty()) return retired;
+  if (!capturing) {
     const int32_t stall = StallExpertFor(device_);
     if (stall != stall_applied_) {  // test hook: role 1 withholds this expert
       static thread_local int32_t value;
@@ -902,12 +909,12 @@ std::string Runtime::LaunchGraph(CUstream stream, const PointerParams& ptrs) {
 
 std::string Runtime::Launch(CUstream stream, const PointerParams& ptrs) {
   std::lock_guard<std::mutex> lock(mutex_);
-  std::string retired = Retired();
-  if (!retired.empty()) return retired;
   ScopedContext current(cu_, primary_);
   GCMOE_CU(current.status());
   std::string fault = ReadFault(stream);
   if (!fault.empty()) return fault;
+  std::string retired = Retired();
+  if (!retired.empty()) return retired;
   return LaunchGraph(stream, ptrs);
 }
 
@@ -1087,6 +1094,10 @@ GCMOE_EXPORT int gcmoe_ipc_release(int phase, char* error, int error_size) {
   if (phase == 0) {
     const std::string why = gcmoe::PeerGroup::SynchronizeIpc();
     return why.empty() ? 0 : gcmoe::FailWith(why, error, error_size);
+  }
+  if (phase != 1) {
+    return gcmoe::FailWith("gcmoe_ipc_release: phase must be 0 (wait) or 1 (retire), got " + std::to_string(phase),
+                           error, error_size);
   }
   return gcmoe::PeerGroup::RetireIpc();
 }

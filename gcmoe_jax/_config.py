@@ -33,6 +33,13 @@ def _ablation(text: str) -> str:
   return text
 
 
+def _wait_ms(text: str) -> int:
+  value = int(text)
+  if not 0 <= value <= 1_800_000:  # role 2's pipeline waits count the bound in 1024 ns units, in 32 bits
+    raise ValueError("expected milliseconds in [0, 1800000] (30 minutes)")
+  return value
+
+
 def _positive_int(text: str) -> int:
   value = int(text)
   if value < 1:
@@ -41,6 +48,7 @@ def _positive_int(text: str) -> int:
 
 
 _positive_int.__name__ = "a positive int"
+_wait_ms.__name__ = "a number of milliseconds"
 
 
 def _bool(text: str) -> bool:
@@ -74,8 +82,8 @@ VARS = {v.name: v for v in (
                                        "of two FP16 digit planes (4 MMAs, a 3-instruction epilogue), results "
                                        "wrong, timing only); "
                                        "part of the cubin key"),
-  Var("GCMOE_WAIT_TIMEOUT_MS", int, 2000, "bound of every device spin-wait; expiry becomes a Python exception"),
-  Var("GCMOE_FIRST_WAIT_TIMEOUT_MS", int, 120_000, "bound of the spin-waits of the first call of the fused "
+  Var("GCMOE_WAIT_TIMEOUT_MS", _wait_ms, 2000, "bound of every device spin-wait; expiry becomes a Python exception"),
+  Var("GCMOE_FIRST_WAIT_TIMEOUT_MS", _wait_ms, 120_000, "bound of the spin-waits of the first call of the fused "
                                                    "transport across processes (a peer process may still be "
                                                    "compiling); never below GCMOE_WAIT_TIMEOUT_MS"),
   Var("GCMOE_SYNC_CHECK", _bool, False, "synchronise after each CUDA call and raise a device fault at once "

@@ -248,11 +248,12 @@ def _release_and_reconnect(old: list, make_step, inputs, want) -> bool:
       raise
     print(f"process {me}: released {released} groups; the old program refused: {str(e).splitlines()[0][:160]}",
           flush=True)
-  before = ffi.live_runtimes()
+  count = ffi.live_runtimes if released else (lambda: 0)  # (the CPU-only library has no CUDA runtime counter)
+  before = count()
   old.clear()
   jax.clear_caches()
   gc.collect()
-  after = ffi.live_runtimes()
+  after = count()
   if released and not after < before:
     print(f"process {me}: the old program's runtimes outlived it: {before} -> {after}", flush=True)
     return False

@@ -569,6 +569,16 @@ def test_release_waits_meets_the_other_processes_then_retires_and_reconnects_lat
   _cuda.connect_processes("variant", "v", ((0, -2),), exchange)  # the next trace connects anew
   assert calls == ["v.0", "connect 0"]
   calls.clear()
+
+  def timing_out(name, payload):
+    calls.append(name)
+    raise TimeoutError("exchange: process 1 did not publish")
+
+  with pytest.raises(TimeoutError, match="process 1 did not publish"):
+    _cuda.release_processes(timing_out)  # nothing retired
+  assert _cuda.release_processes(exchange) == 3  # the retry meets under a fresh name (names are single-use)
+  assert calls == ["phase 0", "gcmoe_jax.release.2", "phase 0", "gcmoe_jax.release.3", "phase 1"]
+  calls.clear()
   failing = lambda phase, error, size: calls.append(f"phase {phase}") or -1
   monkeypatch.setattr(_library, "library", lambda: types.SimpleNamespace(gcmoe_ipc_release=failing))
   with pytest.raises(RuntimeError, match=r"release_fused_workspaces: waiting for this process's devices failed"):

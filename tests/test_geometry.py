@@ -595,3 +595,18 @@ def test_relay_staging_is_the_plans_return_path(model, shared):
       assert not relay and why == "returns are not batched"
   at_256 = g.relay_staging(8, 256, 256, g.MODELS[model].k, g.MODELS[model].E // 8, g.MODELS[model].H, shared)[0]
   assert at_256 == (model == "glm5.2" or shared)
+
+
+def test_wait_bounds_are_milliseconds_within_half_an_hour(monkeypatch):
+  """GCMOE_WAIT_TIMEOUT_MS and GCMOE_FIRST_WAIT_TIMEOUT_MS: role 2's pipeline waits count the bound in 1024 ns units
+  in 32 bits, so a bound past 30 minutes is refused, naming the variable, instead of wrapping."""
+  from gcmoe_jax import _config
+  for name, default in (("GCMOE_WAIT_TIMEOUT_MS", 2000), ("GCMOE_FIRST_WAIT_TIMEOUT_MS", 120_000)):
+    monkeypatch.delenv(name, raising=False)
+    assert _config.get(name) == default
+    monkeypatch.setenv(name, "1800000")
+    assert _config.get(name) == 1_800_000
+    for bad in ("1800001", "-1", "ten"):
+      monkeypatch.setenv(name, bad)
+      with pytest.raises(ValueError, match=f"{name} must be a number of milliseconds, got '{bad}'"):
+        _config.get(name)

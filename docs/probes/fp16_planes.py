@@ -21,14 +21,15 @@ What this probe measures, on the GPU (needs torch, triton and cuda-bindings, as 
 3. Issue rates of mma.sync m16n8k16 f16 and m16n8k32 s8 (8 independent MMAs per warp in a loop, every SM):
    instructions per SM per clock (the FP16 path needs 4 MMAs per block and n-tile where int8 needs 3).
 
-``python docs/probes/fp16_planes.py check`` (CPU): the plane split and the one-FMA rounding against numpy, no GPU.
+``python docs/probes/fp16_planes.py check`` (CPU): the data's sanity (the plane split round-trips, both plane sums
+below 2**18, D past 2**24), no GPU. fma(S1, 512, S0) = RN(D) needs no test: S1 * 512 + S0 = D exactly, and an FMA
+rounds its exact result once.
 ``python docs/probes/fp16_planes.py gpu [cubin]``: the three measurements (the cubin is built from the .cu with
 ``nvcc -arch=sm_90a -cubin -O3``; by default next to this file, else compiled with the nvcc on PATH).
 """
 import pathlib
 import subprocess
 import sys
-import time
 
 import numpy as np
 
@@ -58,9 +59,13 @@ def blocks(rng, n, m=16, t=8):
   xi[:q] = 229376
   a[q:2 * q] = 12 * np.where(np.arange(32) % 2, 1, -1)
   xi[q:2 * q] = 229376
-  xi[2 * q:3 * q, :, :31] = 229376 * np.where(np.arange(31) % 2, 1, -1)
-  xi[2 * q:3 * q, :, 31] = rng.integers(-3, 4, (q, t))
+  # 30 alternating largest values cancel; the last two leave a residual of -12 or so
+  xi[2 * q:3 * q, :, :30] = 229376 * np.where(np.arange(30) % 2, 1, -1)
+  xi[2 * q:3 * q, :, 30] = 229376 - rng.integers(1, 4, (q, t))
+  xi[2 * q:3 * q, :, 31] = -229376
   a[2 * q:3 * q] = 12
+  # both extremes of plane 0 (d0 = -256 and 255) beside large plane-1 digits
+  xi[3 * q:4 * q] = 512 * rng.integers(-440, 440, (q, t, 32)) + np.where(rng.random((q, t, 32)) < 0.5, -256, 255)
   return a, xi
 
 
@@ -76,13 +81,12 @@ def check() -> int:
   rng = np.random.default_rng(0)
   a, xi = blocks(rng, 4096)
   s0, s1, d = exact_dots(a, xi)
-  assert np.abs(s0).max() < 2**18 and np.abs(s1).max() < 2**18, "plane sums must stay exact in FP32"
-  want = d.astype(np.float32)  # numpy rounds int64 -> float32 to nearest even: cvt.rn.f32.s64
-  got = (s1.astype(np.float64) * 512 + s0.astype(np.float64)).astype(np.float32)  # fma: exact product + sum, 1 rounding
-  bad = int(np.count_nonzero(want != got))
+  # A sanity check of the data, not of the GPU: the digits round-trip (`planes` asserts it), both plane sums stay
+  # below 2**18 (exact in FP32 and in FP16 products), and D reaches past 2**24, so f32(D) really rounds.
+  ok = np.abs(s0).max() < 2**18 and np.abs(s1).max() < 2**18 and np.abs(d).max() >= 2**24
   print(f"CPU: {d.size} block dots; |S0| max {np.abs(s0).max()}, |S1| max {np.abs(s1).max()}, |D| max "
-        f"{np.abs(d).max()} (2**{np.log2(np.abs(d).max()):.1f}); fma(S1, 512, S0) != RN(D): {bad}")
-  return 0 if bad == 0 else 1
+        f"{np.abs(d).max()} (2**{np.log2(np.abs(d).max()):.1f}); plane sums exact in FP32: {ok}")
+  return 0 if ok else 1
 
 
 def gpu(cubin_path: str | None) -> int:
@@ -166,11 +170,12 @@ def gpu(cubin_path: str | None) -> int:
   for name in ("rate_hmma", "rate_imma"):
     for warps in (4, 8):
       launch(name, sms * 2, warps * 32, iters // 16, sink)  # warm-up
-      torch.cuda.synchronize()
-      t0 = time.perf_counter()
+      start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+      start.record()
       launch(name, sms * 2, warps * 32, iters, sink)
+      end.record()
       torch.cuda.synchronize()
-      dt = time.perf_counter() - t0
+      dt = start.elapsed_time(end) / 1e3
       mmas = sms * 2 * warps * iters * 8
       print(f"{name}: {warps} warps x 2 CTAs per SM: {mmas / dt / 1e12:.3f} T MMA/s, "
             f"{mmas / dt / sms / (khz * 1e3):.3f} per SM per clock (at the {khz / 1e6:.2f} GHz nominal clock)")

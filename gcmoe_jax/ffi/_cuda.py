@@ -313,8 +313,9 @@ def release_processes(exchange: Exchange) -> int:
       if sync(0, error, len(error)) != 0:
         raise RuntimeError(f"release_fused_workspaces: waiting for this process's devices failed: "
                            f"{error.value.decode()}")
-    exchange(f"gcmoe_jax.release.{_releases}", b"")  # the barrier: every process is done with every workspace
-    _releases += 1
+    name = f"gcmoe_jax.release.{_releases}"
+    _releases += 1  # before the barrier: names are single-use, and a release that timed out may be retried
+    exchange(name, b"")  # the barrier: every process is done with every workspace
     retired = sync(1, None, 0) if sync is not None else 0
     _connected.clear()
     return int(retired)

@@ -66,10 +66,12 @@ def exchange(name: str, payload: bytes, *, timeout_ms: int = 60_000) -> list[byt
 
 def release_fused_workspaces(*, timeout_ms: int = 60_000) -> int:
   """Frees the fused transport's workspaces shared across processes (CUDA IPC); collective: every process of the
-  job calls it once it made its last ``transport="fused"`` call. Each process waits for its devices, meets the
-  others (an `exchange`, so no peer still reads a workspace when it goes) and releases its ranks' groups: a program
-  traced before raises if it runs again, and the memory (this process's workspaces and its mappings of the peers')
-  is freed with the last program that holds it, at once after `jax.clear_caches()` unless the caller keeps compiled
+  job calls it once the outputs of its last ``transport="fused"`` call are ready (`jax.block_until_ready`: a call
+  still queued in jax when the release runs fails). Each process waits for its devices, meets the others (an
+  `exchange`, so no peer still reads a workspace when it goes) and releases its ranks' groups: a program traced
+  before raises if it runs again (under XLA command buffers a replay may not reach the library, so such programs
+  must not run again: drop them), and the memory (this process's workspaces and its mappings of the peers') is
+  freed with the last program that holds it, at once after `jax.clear_caches()` unless the caller keeps compiled
   programs alive. A later trace exchanges new workspaces. Groups within one process free with their programs and
   need no call; with one process this only waits for the devices.
 
