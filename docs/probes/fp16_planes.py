@@ -27,6 +27,7 @@ rounds its exact result once.
 ``python docs/probes/fp16_planes.py gpu [cubin]``: the three measurements (the cubin is built from the .cu with
 ``nvcc -arch=sm_90a -cubin -O3``; by default next to this file, else compiled with the nvcc on PATH).
 """
+import os
 import pathlib
 import subprocess
 import sys
@@ -90,6 +91,7 @@ def check() -> int:
 
 
 def gpu(cubin_path: str | None) -> int:
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # jax only makes the test data; the GPU is torch's and the probe's
   import torch
   import triton
   import triton.language as tl
