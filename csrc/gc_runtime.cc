@@ -231,11 +231,11 @@ namespace {
 
 // Zeroes the workspace `ws` of variant `s` and writes its header (`header` with epoch 0, the spin bound, and no stalled
 // expert) and the silu table; the rest needs no initial value (epochs). `first_timeout_ns`: a longer bound for the
-// waits of the first call (a fused variant's role 3 of that call sets header.timeout_ns to the steady one). Runs in
-// `ws`'s context.
+// waits of the first call, for a fused variant only (its role 3 of that call sets header.timeout_ns to the steady
+// one). Runs in `ws`'s context.
 std::string InitWorkspace(const CudaDriver& cu, CUdeviceptr ws, const VariantSpec& s, WorkspaceHeader header,
                           uint64_t first_timeout_ns = 0) {
-  header.timeout_ns = std::max(s.timeout_ns, s.ranks > 1 ? first_timeout_ns : 0);
+  header.timeout_ns = std::max(s.timeout_ns, first_timeout_ns);
   header.steady_timeout_ns = s.timeout_ns;
   header.stall_expert = -1;
   GCMOE_CU_OR_RETURN(cu, cu.cuMemsetD8(ws, 0, static_cast<size_t>(s.ws_total)), "cuMemsetD8(workspace)");
@@ -430,7 +430,7 @@ std::string PeerGroup::ExportIpc(const CudaDriver& cu, const VariantSpec& s, int
     header.peers[me] = g->ws_[me];
     // A peer process may still be compiling or loading when this rank's first call waits for it.
     g->first_timeout_ns_ = std::max(first_timeout_ns, s.timeout_ns);
-    std::string err = InitWorkspace(cu, g->ws_[me], s, header, first_timeout_ns);
+    std::string err = InitWorkspace(cu, g->ws_[me], s, header, g->first_timeout_ns_);
     if (!err.empty()) return err;  // ~PeerGroup frees what was allocated; the registry holds only complete groups
     IpcGroups()[key] = g;
     group = std::move(g);

@@ -147,8 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     return gm.moe(x, w, gm.Routes(ids, wt), clamp=10.0, backend=args.backend, axis_name="ep", transport=args.transport,
                   mesh=mesh if args.transport == "fused" else None)
 
-  step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"), sharding.expert_specs(w), P("ep"), P("ep")),
-                               out_specs=P("ep")))
+  def make_step():
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"), sharding.expert_specs(w), P("ep"), P("ep")),
+                                 out_specs=P("ep")))
+
+  step = make_step()
   if args.transport == "fused" and jax.process_count() > 1:
     # A rank's first call waits for its peers' first publications (bounded by GCMOE_FIRST_WAIT_TIMEOUT_MS): compile
     # ahead and meet at a barrier, so the drills' steps start together (--first-call-skew then delays one process).
@@ -215,9 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     args_now = (global_array(x, tokens), w_global, global_array(ids, tokens), global_array(wt, tokens))
     old = [step]  # the only reference left to the program traced before the release
     del step, y
-    if not _release_and_reconnect(old, lambda: jax.jit(jax.shard_map(
-        body, mesh=mesh, in_specs=(P("ep"), sharding.expert_specs(w), P("ep"), P("ep")), out_specs=P("ep"))),
-                                  args_now, want):
+    if not _release_and_reconnect(old, make_step, args_now, want):
       return 1
   print(f"OK {args.steps} steps in {elapsed:.1f} s", flush=True)
   return 0
