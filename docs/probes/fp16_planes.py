@@ -117,7 +117,7 @@ def gpu(cubin_path: str | None) -> int:
     held = [np.array([x.data_ptr()], np.uint64) if isinstance(x, torch.Tensor) else np.array([x], np.int32)
             for x in args]
     ptrs = np.array([h.ctypes.data for h in held], dtype=np.uint64)
-    ok((cu.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, stream, ptrs.ctypes.data, 0),))
+    ok(cu.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, stream, ptrs.ctypes.data, 0))
 
   rng = np.random.default_rng(1)
   n = 1 << 15

@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # Nsight Compute on role 2 (docs/kernels_v2.md): one GLM5.2 per-rank layer (routed) at batch B through gm.moe, the
-# second call's role-2 kernel profiled. Run on the GPU machine with the cubins carried:
+# second call's role-2 kernel profiled, with the stall reasons of its PC samples. Run on the GPU machine with the
+# cubins carried:
 #   GCMOE_CUBIN_DIR=$PWD/.cubins bash docs/probes/ncu_role2.sh 1 64
 set -u
+metrics=smsp__inst_executed.sum,smsp__inst_executed_pipe_tensor.sum,smsp__pcsamp_sample_count
+for r in barrier branch_resolving dispatch_stall drain imc_miss lg_throttle long_scoreboard math_pipe_throttle membar \
+    mio_throttle misc no_instructions not_selected selected short_scoreboard sleeping tex_throttle wait; do
+  metrics+=,smsp__pcsamp_warps_issue_stalled_$r
+done
 for B in "$@"; do
   ncu --clock-control none -k regex:gcmoe_role2 --launch-skip 1 --launch-count 1 \
     --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
-    --metrics smsp__inst_executed.sum,smsp__inst_executed_pipe_tensor.sum,smsp__pcsamp_sample_count \
-    python "$(dirname "$0")/moe_layer.py" "$B"
+    --metrics "$metrics" python "$(dirname "$0")/moe_layer.py" "$B"
 done
