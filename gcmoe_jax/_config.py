@@ -27,9 +27,9 @@ def _kernels(text: str) -> str:
 
 def _ablation(text: str) -> str:
   if text not in ("", "nomath", "nogemm2", "widedecode", "tma", "static", "evenbodies",
-                  "timeline", "nosingle", "twoplane"):
-    raise ValueError("expected nomath, nogemm2, widedecode, tma, static, evenbodies, timeline, nosingle, twoplane or "
-                     "empty")
+                  "timeline", "nosingle", "twoplane", "stagebar"):
+    raise ValueError("expected nomath, nogemm2, widedecode, tma, static, evenbodies, timeline, nosingle, twoplane, "
+                     "stagebar or empty")
   return text
 
 
@@ -80,7 +80,8 @@ VARS = {v.name: v for v in (
                                        "gcmoe_jax.bench.timeline; nosingle: one- and two-row passes as 1-tile passes, "
                                        "results exact, for A/B timing; twoplane: the wide passes' instruction mix "
                                        "of two FP16 digit planes (4 MMAs, a 3-instruction epilogue), results "
-                                       "wrong, timing only); "
+                                       "wrong, timing only; stagebar: a CTA barrier per K128 stage in narrow "
+                                       "passes too, results exact, for A/B timing); "
                                        "part of the cubin key"),
   Var("GCMOE_WAIT_TIMEOUT_MS", _wait_ms, 2000, "bound of every device spin-wait; expiry becomes a Python exception"),
   Var("GCMOE_FIRST_WAIT_TIMEOUT_MS", _wait_ms, 120_000, "bound of the spin-waits of the first call of the fused "

@@ -482,6 +482,25 @@ def test_the_twoplane_ablation_has_four_mmas_per_block_in_wide_passes(cache, mon
 
 @needs_dsl
 @pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
+def test_narrow_passes_of_routed_variants_meet_at_a_barrier_every_two_stages(built, cache, monkeypatch):
+  """The one-rank routed variants' narrow passes wait for two K128 stages per CTA barrier (`cp.async.wait_group`
+  two stages lower than with a barrier per stage, `GCMOE_ABLATION=stagebar`); the shared-expert variants keep a
+  barrier per stage: their role 2 is the same code either way."""
+  def waits(meta):
+    return {int(n) for n in re.findall(r"cp\.async\.wait_group (\d+);", _ptx(meta, 2))} - {0}
+
+  shared = build.compile_variant("sm_90a", SMALL_SHARED, cache_dir=cache)
+  monkeypatch.setenv("GCMOE_ABLATION", "stagebar")
+  per_stage = build.compile_variant("sm_90a", SMALL, cache_dir=cache)
+  shared_per_stage = build.compile_variant("sm_90a", SMALL_SHARED, cache_dir=cache)
+  assert "+stagebar-" in per_stage["key"]
+  paired, single = waits(built["sm_90a"]), waits(per_stage)
+  assert paired and single and min(paired) == min(single) - 2, (paired, single)
+  assert _ptx(shared, 2) == _ptx(shared_per_stage, 2)
+
+
+@needs_dsl
+@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
 def test_the_timeline_build_stamps_every_role(built, cache, monkeypatch):
   """GCMOE_ABLATION=timeline (`gcmoe_jax.bench.timeline`) adds %globaltimer reads to roles 1, 2 and 3 (the normal
   build reads the timer only in its bounded waits), under its own key."""

@@ -142,6 +142,7 @@ SIGN_SELECT = 0x0000FF00  # prmt table whose byte 1 is 0xFF: a selector nibble o
 # each take an MMA into the same int32 accumulator, so D is unchanged and exact.
 POS2_LO, POS2_HI = 0x06040200, 0x18100C08
 SPLIT_DECODE_NT = 2
+PAIRED_BARRIER_NT = 2  # passes of at most this many n-tiles meet at a CTA barrier every two K128 stages
 DECODE_TABLES = (POS2_LO, NEG_LO, POS_LO, SIGN_SELECT)  # the table words `_stage` reads from `CTL_TABLES`
 # The B columns of the one- and two-row bodies (`_stage`): column n is read by lane group g = n. One row: planes
 # 0, 1, 0, 1, 2, 2, 2, 2, so lanes t4 = 0 and 1 hold S0, S1 of rows g and g + 8 and t4 = 2, 3 hold S2. Two rows: slot
@@ -544,6 +545,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # shared-expert variants, whose v1 shared math already holds 255 registers there (16 B spilled with them).
     # `GCMOE_ABLATION=evenbodies` builds only the 1, 2, 4 and 8 bodies, for A/B timing.
     self.odd_bodies = not (self.qmma and v.shared) and self.ablation != "evenbodies"
+    # A barrier every two stages in narrow passes (`_cpasync_mainloop`), in the one-rank routed variants, where it
+    # was measured (2-8 % faster, bit-identical, session 13); the shared-expert variants (245-255 registers) and the
+    # fused transport's keep one per stage. `GCMOE_ABLATION=stagebar`: one per stage everywhere, for A/B timing.
+    self.paired_barrier = self.ablation != "stagebar" and not v.shared and not self.fused
     self.rcap = v.capacity * v.ranks
     self.tags = CTRL_BYTES // 8
     self.role1_smem = (self.tags + (self.rcap * v.top_k + 3) // 4 * 4 + 127) // 128 * 128 if self.fused else 0
@@ -1599,20 +1604,28 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     only slot 0's B rows are copied; ``pair``: nonzero for a two-row pass, see `_stage`)."""
     slots = 8 * nt
     n_copy = 1 if cutlass.const_expr(single) else slots
-    for s in cutlass.range_constexpr(n_st - 1):
+    tabs = ctl if cutlass.const_expr(self.smem_tables) else None
+    # Narrow passes meet at a barrier every TWO stages (`PAIRED_BARRIER_NT`): their stages are short (a one-row
+    # stage is ~150 instructions per warp), and at GLM5.2 B = 1 the per-stage barrier was the largest stall reason
+    # (19.5 % of role 2's samples, docs/kernels_v2.md). The copies run one stage less ahead for it.
+    per_bar = 2 if cutlass.const_expr(self.paired_barrier and nt <= PAIRED_BARRIER_NT and kb_n % 2 == 0
+                                      and n_st >= 6) else 1
+    for s in cutlass.range_constexpr(n_st - per_bar):
       if s < kb_n:
         self._issue(s, pipe + s * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl, n_copy)
       _commit()
-    for kb in range(kb_n):
-      _wait_group(n_st - 2)
-      cute.arch.sync_threads()
-      nk = kb + n_st - 1
-      if nk < kb_n:
-        self._issue(nk, pipe + (nk % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps,
-                    ctl, n_copy)
-      _commit()
-      self._compute(nt, pipe + (kb % n_st) * st_bytes, rows_fast, acc, single, ctl if self.smem_tables else None,
-                    pair)
+    for kq in range(kb_n // per_bar):
+      kb = kq * per_bar
+      _wait_group(n_st - 2 * per_bar)  # stages kb .. kb + per_bar - 1 have landed (this thread's copies)
+      cute.arch.sync_threads()  # ... everyone's, and every warp is done with the stages the next copies overwrite
+      for q in cutlass.range_constexpr(per_bar):
+        nk = kb + n_st - per_bar + q
+        if nk < kb_n:
+          self._issue(nk, pipe + (nk % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes,
+                      exps, ctl, n_copy)
+        _commit()
+      for q in cutlass.range_constexpr(per_bar):
+        self._compute(nt, pipe + ((kb + q) % n_st) * st_bytes, rows_fast, acc, single, tabs, pair)
     _wait_group(0)
     cute.arch.sync_threads()  # the pipeline area is free: the epilogue reuses it
 
