@@ -30,7 +30,7 @@ latencies better where the work per stage is small).
    the 128 x 64 B weight tile (16 B chunk c of row r at c ^ ((r >> 1) & 3), read with ldmatrix without bank
    conflicts), the 128 scale words, and the 96 B digit planes + exponent words of every row (gathered through
    ``rows[e]``). Two producers share the stage layout: on sm_90a every thread issues cp.async and the CTA meets at a
-   barrier per stage (`_cpasync_mainloop`, measured faster); on sm_120a warp 0 issues the tile by TMA through a
+   barrier per stage, or per two in narrow passes (`_cpasync_mainloop`, measured faster); on sm_120a warp 0 issues the tile by TMA through a
    by-value TensorMap (its 64-byte swizzle is the layout above), the rows by bulk copies, and full/empty mbarriers
    replace the barrier (`_tma_mainloop`, paper §4.4). Epilogue: SwiGLU + clamp + route weight in BF16 (v1's ops),
    BF16 to SMEM, then a warp per (row,
@@ -1599,9 +1599,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
                         pw_e: Int64, psc_e: Int64, row0: Int32, n_rows: cutlass.Constexpr, kb_n: cutlass.Constexpr,
                         nblk: cutlass.Constexpr, planes: Int64, exps: Int64, ctl: Int32, pipe: Int32,
                         rows_fast: Int32, acc: cute.Tensor, single: cutlass.Constexpr = False, pair=None):
-    """The K loop of the per-thread producer (sm_90a): every thread issues cp.async copies of the stage kb + n_st - 1
-    and the CTA meets at a barrier per stage (``single``: a one-row pass, whose padding slots are never read, so
-    only slot 0's B rows are copied; ``pair``: nonzero for a two-row pass, see `_stage`)."""
+    """The K loop of the per-thread producer (sm_90a): every thread issues cp.async copies of the stages ahead and
+    the CTA meets at a barrier per stage, or per two stages in narrow passes (``single``: a one-row pass, whose
+    padding slots are never read, so only slot 0's B rows are copied; ``pair``: nonzero for a two-row pass, see
+    `_stage`)."""
     slots = 8 * nt
     n_copy = 1 if cutlass.const_expr(single) else slots
     tabs = ctl if cutlass.const_expr(self.smem_tables) else None
