@@ -1665,8 +1665,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
              single: cutlass.Constexpr = 0, ctl=None):
     """The MMAs and the exact epilogue of one K128 stage: ``acc += f32(D_b) * 2**n_b`` for its four K32 blocks.
 
-    D = S0 + 2**6 S1 + 2**12 S2 comes out of a chain of three MMAs: S1; T + MAGIC = A B0 + (64 S1 + MAGIC);
-    S2 + MAGIC = A B2 + MAGIC. f32(T) and f32(S2) are exact float subtractions of the magic and f32(D) =
+    D = S0 + 2**6 S1 + 2**12 S2 comes out of three independent MMAs: S1, A B0 + MAGIC and S2 + MAGIC = A B2 +
+    MAGIC, with T + MAGIC = (A B0 + MAGIC) + 64 S1 by one integer multiply-add. f32(T) and f32(S2) are exact float subtractions of the magic and f32(D) =
     RN(4096 f32(S2) + f32(T)) is one FMA (= cvt.rn of D). Fast path (``n + 127`` in [1, 226] everywhere, see
     `SCALE_BYTE_BITS`): ``acc = fma(f32(D), 2**n, acc)`` rounds like v1's mul + add because the product is exact
     and normal. Slow path: v1's two-step scaling, NaN blocks and add.
@@ -1722,13 +1722,16 @@ class RoleKernelsV2(v1.RoleKernelsV1):
           df = _fma(p1[c], Int32(v1._f32_bits(-1.0)), p0[c])
           acc[4 * i + c] = _scaled_add(fast, df, xe[c % 2], wb[c // 2], acc[4 * i + c])
       else:
+        # Three independent MMA chains, joined by one integer multiply-add per element (T + MAGIC = (A B0 + MAGIC)
+        # + 64 S1, the same int32 as feeding 64 S1 + MAGIC into plane 0's chain, which made that chain wait for
+        # plane 1's: at B = 16 fixed-latency waits were role 2's largest stall reason, docs/kernels_v2.md).
         s1 = mma(b1, zero4)
-        r0 = mma(b0, tuple(s1[c] * (1 << abi.DIGIT_BITS) + MAGIC for c in range(4)))
+        r0 = mma(b0, magic4)
         r2 = mma(b2, magic4)
         xe = exps()
         for c in cutlass.range_constexpr(4):
           xw = xe[c % 2]
-          tf = v1._fadd(r0[c], MAGIC_NEG)
+          tf = v1._fadd(s1[c] * (1 << abi.DIGIT_BITS) + r0[c], MAGIC_NEG)
           sf = v1._fadd(r2[c], MAGIC_NEG)
           df = _fma(sf, F32_4096, tf)  # f32(D), rounded once (= cvt.rn.f32.s32 of D)
           acc[4 * i + c] = _scaled_add(fast, df, xw, wb[c // 2], acc[4 * i + c])
