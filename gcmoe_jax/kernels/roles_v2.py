@@ -30,11 +30,11 @@ latencies better where the work per stage is small).
    the 128 x 64 B weight tile (16 B chunk c of row r at c ^ ((r >> 1) & 3), read with ldmatrix without bank
    conflicts), the 128 scale words, and the 96 B digit planes + exponent words of every row (gathered through
    ``rows[e]``). Two producers share the stage layout: on sm_90a every thread issues cp.async and the CTA meets at a
-   barrier per stage, or per two in narrow passes (`_cpasync_mainloop`, measured faster); on sm_120a warp 0 issues the tile by TMA through a
-   by-value TensorMap (its 64-byte swizzle is the layout above), the rows by bulk copies, and full/empty mbarriers
-   replace the barrier (`_tma_mainloop`, paper §4.4). Epilogue: SwiGLU + clamp + route weight in BF16 (v1's ops),
-   BF16 to SMEM, then a warp per (row,
-   K32 block) requantizes to ``aplanes``/``aexp``; ``counters[par][e] += 1`` (release).
+   barrier per stage, or per two in narrow passes (`_cpasync_mainloop`, measured faster); on sm_120a warp 0 issues
+   the tile by TMA through a by-value TensorMap (its 64-byte swizzle is the layout above), the rows by bulk copies,
+   and full/empty mbarriers replace the barrier (`_tma_mainloop`, paper §4.4). Epilogue: SwiGLU + clamp + route
+   weight in BF16 (v1's ops), BF16 to SMEM, then a warp per (row, K32 block) requantizes to ``aplanes``/``aexp``;
+   ``counters[par][e] += 1`` (release).
 2. GEMM2 items (h, j), j < H/128, after all GEMM1 items (and the shared expert's GEMM1 items): W2 rows
    128 j.. (output columns), the same mainloop over K = I with the B operand from ``aplanes`` (gathered by
    assignment), after waiting for ``counters[par][e] == 2I/128``; o_j = bf16(acc) to ``arena``.
@@ -1666,10 +1666,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     """The MMAs and the exact epilogue of one K128 stage: ``acc += f32(D_b) * 2**n_b`` for its four K32 blocks.
 
     D = S0 + 2**6 S1 + 2**12 S2 comes out of three independent MMAs: S1, A B0 + MAGIC and S2 + MAGIC = A B2 +
-    MAGIC, with T + MAGIC = (A B0 + MAGIC) + 64 S1 by one integer multiply-add. f32(T) and f32(S2) are exact float subtractions of the magic and f32(D) =
-    RN(4096 f32(S2) + f32(T)) is one FMA (= cvt.rn of D). Fast path (``n + 127`` in [1, 226] everywhere, see
-    `SCALE_BYTE_BITS`): ``acc = fma(f32(D), 2**n, acc)`` rounds like v1's mul + add because the product is exact
-    and normal. Slow path: v1's two-step scaling, NaN blocks and add.
+    MAGIC, with T + MAGIC = (A B0 + MAGIC) + 64 S1 by one integer multiply-add. f32(T) and f32(S2) are exact float
+    subtractions of the magic and f32(D) = RN(4096 f32(S2) + f32(T)) is one FMA (= cvt.rn of D). Fast path
+    (``n + 127`` in [1, 226] everywhere, see `SCALE_BYTE_BITS`): ``acc = fma(f32(D), 2**n, acc)`` rounds like v1's
+    mul + add because the product is exact and normal. Slow path: v1's two-step scaling, NaN blocks and add.
 
     ``single`` (a pass of one row, the usual one at decode batches: every expert of GLM5.2 at B = 1): the three
     digit planes of the row go in the columns of ONE n-tile, so a block takes one split-decode MMA pair instead of
