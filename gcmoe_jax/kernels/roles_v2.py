@@ -30,11 +30,11 @@ latencies better where the work per stage is small).
    the 128 x 64 B weight tile (16 B chunk c of row r at c ^ ((r >> 1) & 3), read with ldmatrix without bank
    conflicts), the 128 scale words, and the 96 B digit planes + exponent words of every row (gathered through
    ``rows[e]``). Two producers share the stage layout: on sm_90a every thread issues cp.async and the CTA meets at a
-   barrier per stage, or per two in narrow passes (`_cpasync_mainloop`, measured faster); on sm_120a warp 0 issues
-   the tile by TMA through a by-value TensorMap (its 64-byte swizzle is the layout above), the rows by bulk copies,
-   and full/empty mbarriers replace the barrier (`_tma_mainloop`, paper §4.4). Epilogue: SwiGLU + clamp + route
-   weight in BF16 (v1's ops), BF16 to SMEM, then a warp per (row, K32 block) requantizes to ``aplanes``/``aexp``;
-   ``counters[par][e] += 1`` (release).
+   barrier per stage, or per two in the narrow passes of one-rank routed variants (`_cpasync_mainloop`, measured
+   faster); on sm_120a warp 0 issues the tile by TMA through a by-value TensorMap (its 64-byte swizzle is the
+   layout above), the rows by bulk copies, and full/empty mbarriers replace the barrier (`_tma_mainloop`, paper
+   §4.4). Epilogue: SwiGLU + clamp + route weight in BF16 (v1's ops), BF16 to SMEM, then a warp per (row, K32
+   block) requantizes to ``aplanes``/``aexp``; ``counters[par][e] += 1`` (release).
 2. GEMM2 items (h, j), j < H/128, after all GEMM1 items (and the shared expert's GEMM1 items): W2 rows
    128 j.. (output columns), the same mainloop over K = I with the B operand from ``aplanes`` (gathered by
    assignment), after waiting for ``counters[par][e] == 2I/128``; o_j = bf16(acc) to ``arena``.
@@ -1608,7 +1608,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     tabs = ctl if cutlass.const_expr(self.smem_tables) else None
     # Narrow passes meet at a barrier every TWO stages (`PAIRED_BARRIER_NT`): their stages are short (a one-row
     # stage is ~150 instructions per warp), and at GLM5.2 B = 1 the per-stage barrier was the largest stall reason
-    # (19.5 % of role 2's samples, docs/kernels_v2.md). The copies run one stage less ahead for it.
+    # (19.5 % of role 2's samples, docs/kernels_v2.md). The copies run one stage less ahead for it, and n_st >= 6
+    # keeps the wait below at n_st - 4 >= 2 stages in flight.
     per_bar = 2 if cutlass.const_expr(self.paired_barrier and nt <= PAIRED_BARRIER_NT and kb_n % 2 == 0
                                       and n_st >= 6) else 1
     for s in cutlass.range_constexpr(n_st - per_bar):
@@ -1665,11 +1666,11 @@ class RoleKernelsV2(v1.RoleKernelsV1):
              single: cutlass.Constexpr = 0, ctl=None):
     """The MMAs and the exact epilogue of one K128 stage: ``acc += f32(D_b) * 2**n_b`` for its four K32 blocks.
 
-    D = S0 + 2**6 S1 + 2**12 S2 comes out of three independent MMAs: S1, A B0 + MAGIC and S2 + MAGIC = A B2 +
-    MAGIC, with T + MAGIC = (A B0 + MAGIC) + 64 S1 by one integer multiply-add. f32(T) and f32(S2) are exact float
-    subtractions of the magic and f32(D) = RN(4096 f32(S2) + f32(T)) is one FMA (= cvt.rn of D). Fast path
-    (``n + 127`` in [1, 226] everywhere, see `SCALE_BYTE_BITS`): ``acc = fma(f32(D), 2**n, acc)`` rounds like v1's
-    mul + add because the product is exact and normal. Slow path: v1's two-step scaling, NaN blocks and add.
+    D = S0 + 2**6 S1 + 2**12 S2 comes out of a chain of three MMAs: S1; T + MAGIC = A B0 + (64 S1 + MAGIC);
+    S2 + MAGIC = A B2 + MAGIC. f32(T) and f32(S2) are exact float subtractions of the magic and f32(D) =
+    RN(4096 f32(S2) + f32(T)) is one FMA (= cvt.rn of D). Fast path (``n + 127`` in [1, 226] everywhere, see
+    `SCALE_BYTE_BITS`): ``acc = fma(f32(D), 2**n, acc)`` rounds like v1's mul + add because the product is exact
+    and normal. Slow path: v1's two-step scaling, NaN blocks and add.
 
     ``single`` (a pass of one row, the usual one at decode batches: every expert of GLM5.2 at B = 1): the three
     digit planes of the row go in the columns of ONE n-tile, so a block takes one split-decode MMA pair instead of
@@ -1722,16 +1723,16 @@ class RoleKernelsV2(v1.RoleKernelsV1):
           df = _fma(p1[c], Int32(v1._f32_bits(-1.0)), p0[c])
           acc[4 * i + c] = _scaled_add(fast, df, xe[c % 2], wb[c // 2], acc[4 * i + c])
       else:
-        # Three independent MMA chains, joined by one integer multiply-add per element (T + MAGIC = (A B0 + MAGIC)
-        # + 64 S1, the same int32 as feeding 64 S1 + MAGIC into plane 0's chain, which made that chain wait for
-        # plane 1's: at B = 16 fixed-latency waits were role 2's largest stall reason, docs/kernels_v2.md).
+        # Plane 0's MMA accumulates onto 64 S1 + MAGIC, so it waits for plane 1's. Starting it from MAGIC and adding
+        # 64 S1 by one IMAD (the same int32, so the same bits) was measured on the H200: bit-identical, 1-3 % slower
+        # at B >= 64 and no faster below (docs/kernels_v2.md "Independent plane chains"): not kept.
         s1 = mma(b1, zero4)
-        r0 = mma(b0, magic4)
+        r0 = mma(b0, tuple(s1[c] * (1 << abi.DIGIT_BITS) + MAGIC for c in range(4)))
         r2 = mma(b2, magic4)
         xe = exps()
         for c in cutlass.range_constexpr(4):
           xw = xe[c % 2]
-          tf = v1._fadd(s1[c] * (1 << abi.DIGIT_BITS) + r0[c], MAGIC_NEG)
+          tf = v1._fadd(r0[c], MAGIC_NEG)
           sf = v1._fadd(r2[c], MAGIC_NEG)
           df = _fma(sf, F32_4096, tf)  # f32(D), rounded once (= cvt.rn.f32.s32 of D)
           acc[4 * i + c] = _scaled_add(fast, df, xw, wb[c // 2], acc[4 * i + c])
