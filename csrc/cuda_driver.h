@@ -73,7 +73,12 @@ namespace gcmoe {
   X(cuTensorMapEncodeTiled) \
   X(cuIpcGetMemHandle) \
   X(cuIpcOpenMemHandle) \
-  X(cuIpcCloseMemHandle)
+  X(cuIpcCloseMemHandle) \
+  X(cuEventCreate) \
+  X(cuEventDestroy) \
+  X(cuEventRecord) \
+  X(cuEventSynchronize) \
+  X(cuEventElapsedTime)
 
 struct CudaDriver {
 #define GCMOE_CUDA_DRIVER_MEMBER(name) decltype(&::name) name = nullptr;

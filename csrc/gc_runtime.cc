@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <cstdlib>
 #include <cmath>
 #include <cstddef>
 #include <cstdio>
@@ -12,6 +14,7 @@
 #include <map>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace gcmoe {
 namespace {
@@ -894,7 +897,43 @@ std::string Runtime::Execute(CUstream stream, const PointerParams& ptrs) {
   return LaunchGraph(stream, ptrs);
 }
 
+// Debug trace (GCMOE_DEBUG_TRACE=1, read once; ffi/_cuda.py debug_trace): for each graph launch outside a
+// capture, the host time of the parameter update and of cuGraphLaunch, and CUDA events on the stream around the
+// graph, in a ring of kTraceSlots records. Off by default: it records two events per call.
+namespace {
+struct TraceRecord {
+  int64_t enter_ns = 0, params_ns = 0, launch_ns = 0;
+  int updated = 0;
+  CUevent start = nullptr, end = nullptr;
+  CUcontext ctx = nullptr;
+};
+constexpr int kTraceSlots = 1024;
+struct Trace {
+  std::mutex mu;
+  std::vector<TraceRecord> ring = std::vector<TraceRecord>(kTraceSlots);
+  int64_t next = 0;  // records written so far
+};
+Trace& TheTrace() {
+  static Trace* const t = new Trace();  // never destroyed: its events may outlive the runtimes
+  return *t;
+}
+bool TraceEnabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("GCMOE_DEBUG_TRACE");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  return on;
+}
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+}  // namespace
+
 std::string Runtime::LaunchGraph(CUstream stream, const PointerParams& ptrs) {
+  const bool trace = TraceEnabled();
+  const int64_t t0 = trace ? NowNs() : 0;
+  bool updated = false;
   // Parameter updates cost microseconds per node: skip them when XLA hands back the same buffers (steady state).
   PointerParams want = ptrs;
   want[12] = workspace_;
@@ -902,8 +941,66 @@ std::string Runtime::LaunchGraph(CUstream stream, const PointerParams& ptrs) {
     std::string err = SetParams(ptrs, /*exec=*/true);
     if (!err.empty()) return err;
     exec_params_set_ = true;
+    updated = true;
   }
+  if (!trace) {
+    GCMOE_CU(cu_.cuGraphLaunch(exec_, stream));
+    return "";
+  }
+  const int64_t t1 = NowNs();
+  Trace& tr = TheTrace();
+  std::lock_guard<std::mutex> lock(tr.mu);
+  TraceRecord& rec = tr.ring[tr.next % kTraceSlots];
+  if (rec.ctx != primary_) {  // events belong to a context: (re)made in this runtime's
+    if (rec.start != nullptr) {
+      cu_.cuEventDestroy(rec.start);
+      cu_.cuEventDestroy(rec.end);
+    }
+    rec.start = rec.end = nullptr;
+    GCMOE_CU(cu_.cuEventCreate(&rec.start, CU_EVENT_DEFAULT));
+    GCMOE_CU(cu_.cuEventCreate(&rec.end, CU_EVENT_DEFAULT));
+    rec.ctx = primary_;
+  }
+  GCMOE_CU(cu_.cuEventRecord(rec.start, stream));
   GCMOE_CU(cu_.cuGraphLaunch(exec_, stream));
+  GCMOE_CU(cu_.cuEventRecord(rec.end, stream));
+  rec.enter_ns = t0;
+  rec.params_ns = t1 - t0;
+  rec.launch_ns = NowNs() - t1;
+  rec.updated = updated ? 1 : 0;
+  tr.next += 1;
+  return "";
+}
+
+// The trace's records, oldest first, after waiting for the last one's events: per record host enter (us from the
+// first), parameter update (us), cuGraphLaunch (us), updated (0/1), GPU start (us from the first), GPU duration (us).
+std::string ReadTrace(std::vector<double>* out) {
+  if (!TraceEnabled()) return "the trace is off: set GCMOE_DEBUG_TRACE=1 before the process's first CUDA call";
+  std::string err;
+  const CudaDriver* cu = GetCudaDriver(&err);
+  if (cu == nullptr) return err;
+  Trace& tr = TheTrace();
+  std::lock_guard<std::mutex> lock(tr.mu);
+  const int64_t n = std::min<int64_t>(tr.next, kTraceSlots);
+  out->clear();
+  if (n == 0) return "";
+  const int64_t first = tr.next - n;
+  const TraceRecord& f = tr.ring[first % kTraceSlots];
+  ScopedContext current(*cu, f.ctx);
+  if (current.status() != CUDA_SUCCESS) return "cuCtxPushCurrent failed";
+  GCMOE_CU_OR_RETURN(*cu, cu->cuEventSynchronize(tr.ring[(tr.next - 1) % kTraceSlots].end), "cuEventSynchronize");
+  for (int64_t i = first; i < tr.next; ++i) {
+    const TraceRecord& r = tr.ring[i % kTraceSlots];
+    float from_first = 0.0f, dur = 0.0f;
+    if (r.ctx == f.ctx) {  // events of two contexts cannot be compared
+      GCMOE_CU_OR_RETURN(*cu, cu->cuEventElapsedTime(&from_first, f.start, r.start), "cuEventElapsedTime");
+    }
+    GCMOE_CU_OR_RETURN(*cu, cu->cuEventElapsedTime(&dur, r.start, r.end), "cuEventElapsedTime");
+    const double row[6] = {(r.enter_ns - f.enter_ns) / 1e3, r.params_ns / 1e3, r.launch_ns / 1e3,
+                           static_cast<double>(r.updated), r.ctx == f.ctx ? 1e3 * from_first : -1.0, 1e3 * dur};
+    out->insert(out->end(), row, row + 6);
+  }
+  tr.next = 0;
   return "";
 }
 
@@ -1104,6 +1201,20 @@ GCMOE_EXPORT int gcmoe_ipc_release(int phase, char* error, int error_size) {
 
 // How many graphs were instantiated in this process (tests: one per shape and device, never per call).
 GCMOE_EXPORT int64_t gcmoe_graph_instantiations() { return gcmoe::GraphInstantiations(); }
+
+// Debug hook (GCMOE_DEBUG_TRACE=1): writes up to `max_records` trace records (6 doubles each, ReadTrace) to `out`,
+// oldest first, and clears the trace. Returns the records written, or -1 with `error` set.
+GCMOE_EXPORT int gcmoe_debug_trace(double* out, int max_records, char* error, int error_len) {
+  std::vector<double> rows;
+  const std::string err = gcmoe::ReadTrace(&rows);
+  if (!err.empty()) {
+    if (error != nullptr && error_len > 0) std::snprintf(error, static_cast<size_t>(error_len), "%s", err.c_str());
+    return -1;
+  }
+  const int n = std::min<int>(static_cast<int>(rows.size() / 6), max_records);
+  std::copy(rows.begin(), rows.begin() + 6 * n, out);
+  return n;
+}
 
 // Runtimes alive in this process (graph-cache entries with a call site; each owns a workspace and a graph).
 GCMOE_EXPORT int64_t gcmoe_live_runtimes() { return gcmoe::LiveRuntimes(); }
