@@ -599,6 +599,9 @@ std::string Runtime::Init(std::shared_ptr<const VariantSpec> spec, CUstream stre
   }
   role_ctx_[0] = pair->ctx[0];
   role_ctx_[1] = pair->ctx[1];
+  // Debug (GCMOE_DEBUG_PRIMARY_CTX=1): every role on the primary context, the grids still sized by the split.
+  const char* primary_only = std::getenv("GCMOE_DEBUG_PRIMARY_CTX");
+  if (primary_only != nullptr && std::strcmp(primary_only, "1") == 0) role_ctx_[0] = role_ctx_[1] = primary_;
   return Build(tokens, clamp);
 }
 

@@ -10,6 +10,7 @@ import ctypes
 import dataclasses
 import functools
 import hashlib
+import os
 
 import jax
 import jax.numpy as jnp
@@ -366,6 +367,16 @@ def test_cuda_support_follows_the_build():
     assert s.ok and "CUDA runtime" in s.reason
   else:
     assert not s.ok and "declares no CUDA target" in s.reason
+
+
+def test_debug_trace_says_how_to_turn_it_on():
+  if not ffi.library_info().build.get("cuda"):
+    pytest.skip("the trace is part of the CUDA handler")
+  if os.environ.get("GCMOE_DEBUG_TRACE") == "1":
+    pytest.skip("the trace is on in this process")
+  from gcmoe_jax.ffi import _cuda  # noqa: PLC0415 - only where the CUDA handler is built
+  with pytest.raises(RuntimeError, match="GCMOE_DEBUG_TRACE=1"):
+    _cuda.debug_trace()
 
 
 def test_auto_never_picks_cuda_without_a_gpu():
