@@ -57,6 +57,33 @@ def test_sweep_rows(tiny_rows):
   assert r.weight_bytes == r.distinct_experts * (3 * 512 * 256 // 2 + 3 * 512 * 256 // 32)
 
 
+def test_the_timed_chain_is_pre_normed_so_long_chains_stay_finite(monkeypatch):
+  """Unclamped SwiGLU layers grow a plain residual stream quadratically to Inf (the paper models' by layer 16);
+  the bench's chain feeds each layer its RMS-normed input, as a pre-norm decoder does, and says when an output is
+  not finite."""
+  shape = sweep.BenchShape("tiny-unclamped", experts=4, hidden=512, intermediate=256, top_k=2, clamp=None)
+  x = jax.random.normal(jax.random.key(1), (3, 512), jnp.float32).astype(jnp.bfloat16) * 7.0
+  normed = np.asarray(sweep.pre_norm(x), np.float32)
+  np.testing.assert_allclose(np.sqrt(np.mean(normed**2, axis=-1)), 1.0, rtol=1e-2)
+  chain = 16
+  p = sweep._Problem(shape, 0)  # noqa: SLF001 - the bench's own weights and routes
+  x, ids, rw, _, _ = p.inputs(3, chain)
+  layer = jax.jit(sweep._layer("ragged_dot", None))  # noqa: SLF001
+  plain = x
+  for n in range(chain):
+    plain = plain + layer(plain, p.bf16, ids[n], rw[n])
+  assert not np.isfinite(np.asarray(plain, np.float32)).all()  # the stream the bench no longer times
+  fn, args = sweep._impl_call("ragged_dot", p, x, ids, rw)  # noqa: SLF001
+  assert np.isfinite(np.asarray(fn(*args), np.float32)).all()
+  rows = sweep.run(shape, (3,), ("ragged_dot",), iters=1, warmup=1, bandwidth=2e10, fp8_rate=1e18, chain=chain,
+                   progress=False)
+  assert rows[0].note == "" and rows[0].latency_us > 0
+  monkeypatch.setattr(sweep, "pre_norm", lambda x: x)  # the plain stream: the row says what it timed
+  rows = sweep.run(shape, (3,), ("ragged_dot",), iters=1, warmup=1, bandwidth=2e10, fp8_rate=1e18, chain=chain,
+                   progress=False)
+  assert rows[0].note == "output not finite: the timed layers ran exceptional paths" and rows[0].latency_us > 0
+
+
 def test_sweep_writes_csv_png_and_table(tiny_rows, tmp_path):
   sweep.write_csv(tiny_rows, tmp_path / "b.csv")
   sweep.plot(tiny_rows, tmp_path / "b.png", title="tiny")

@@ -7,9 +7,9 @@ only, XLA:CPU does not implement ``ragged_all_to_all``). ``transport="fused"`` r
 ep_axis="ep", transport="fused")`` on the sharded global arrays under `jax.jit` instead (the in-kernel transport
 needs the mesh's devices; CUDA only), so fused and collective compare on the same shapes in one run.
 
-Timing is `sweep`'s: one jitted program chains ``chain`` layers (a residual stream: x + layer(x) is the next one's
-tokens, fresh routes per layer, two alternating weight copies), the median over ``iters`` runs of program time /
-chain.
+Timing is `sweep`'s: one jitted program chains ``chain`` layers (a pre-norm residual stream: x + layer(rmsnorm(x))
+is the next one's tokens, fresh routes per layer, two alternating weight copies), the median over ``iters`` runs of
+program time / chain.
 One process drives every device, so a program ends with its slowest rank: the latency is the maximum over ranks.
 
 The floor of a point is the weight-streaming time of its busiest rank: per layer, the most distinct local experts
@@ -139,15 +139,15 @@ def program(shape: sweep.BenchShape, ranks: int, batch: int, impl: str, transpor
     def fused(x, q, copies, ids, rw):
       del q
       for n in range(chain):
-        x = x + api.moe(x, copies[n % 2], api.Routes(ids[n], rw[n]), clamp=shape.clamp, backend=backend,
-                        ep_axis="ep", transport="fused")  # a residual stream, as `sweep`'s chain
+        x = x + api.moe(sweep.pre_norm(x), copies[n % 2], api.Routes(ids[n], rw[n]), clamp=shape.clamp,
+                        backend=backend, ep_axis="ep", transport="fused")  # `sweep`'s pre-norm residual stream
       return x
 
     return jax.jit(fused), args
 
   def body(x, q, copies, ids, rw):
     for n in range(chain):
-      x = x + layer(x, q, copies[n % 2], ids[n], rw[n])  # a residual stream, as `sweep`'s chain
+      x = x + layer(sweep.pre_norm(x), q, copies[n % 2], ids[n], rw[n])  # `sweep`'s pre-norm residual stream
     return x
 
   qspec = sharding.expert_specs(q)

@@ -7,12 +7,13 @@ One run times, on the default device, for every batch B in the sweep:
 * ``emulated``      `reference.moe_emulated` under `jax.jit` (the oracle; slow by design);
 * ``gcmoe:<b>``     `gcmoe_jax.moe(..., backend=b)` for every backend `gcmoe_jax.explain` reports available.
 
-Timing, as a decode step runs layers: one jitted program chains ``chain`` layers on a residual stream (layer n's
-input is x_{n-1} + layer(x_{n-1}), one BF16 add per layer for every implementation), every layer with its own
-routes and alternating between two copies of the weights, so no layer finds its weights in L2 and no input
-repeats. The program is compiled and run ``warmup`` times, then ``iters`` times;
-the latency of a point is the median over those runs of (program time / ``chain``), each run ended by
-`block_until_ready` (the only host synchronisation in the timed region; inputs live on the device beforehand).
+Timing, as a decode step runs layers: one jitted program chains ``chain`` layers on a pre-norm residual stream
+(x_n = x_{n-1} + layer(rmsnorm(x_{n-1})), one fused add and norm per layer for every implementation), every layer
+with its own routes and alternating between two copies of the weights, so no layer finds its weights in L2 and no
+input repeats. The program is compiled and run ``warmup`` times, then ``iters`` times; the latency of a point is
+the median over those runs of (program time / ``chain``), each run ended by `block_until_ready` (the only host
+synchronisation in the timed region; inputs live on the device beforehand). A point whose output is not finite
+says so in its note.
 
 The floor of a batch is the larger of two times (issue 6):
 
@@ -297,6 +298,15 @@ def _layer(impl: str, clamp: float | None) -> Callable:
   return lambda x, w, ids, rw: api.moe(x, w, api.Routes(ids, rw), clamp=clamp, backend=backend)
 
 
+def pre_norm(x: jax.Array) -> jax.Array:
+  """RMS-normalized rows of ``x`` (in f32, returned in x's dtype): a decoder's pre-norm, the input of a layer of the
+  timed chain. Without it the residual stream grows quadratically (the SwiGLU of large inputs): with the paper
+  models' random weights past 1e3 by layer 13 and Inf by layer 16, so the later layers of a long chain ran the
+  kernels' exceptional-exponent and NaN paths (2x slower per layer at GLM5.2 B = 64, docs/perf.md session 14)."""
+  xf = x.astype(jnp.float32)
+  return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + 1e-6)).astype(x.dtype)
+
+
 def _impl_call(impl: str, p: _Problem, x: jax.Array, ids: jax.Array, rw: jax.Array) -> tuple[Callable, tuple]:
   """The jitted chain of ``impl`` over the layers' routes ``ids``/``rw`` ``[chain, B, k]``, and its arguments
   (weights are arguments, never baked-in constants): layer n reads weight copy n % 2 and x_n = x_{n-1} + y_{n-1}."""
@@ -305,9 +315,10 @@ def _impl_call(impl: str, p: _Problem, x: jax.Array, ids: jax.Array, rw: jax.Arr
 
   def run(x, sets, ids, rw):
     for n in range(chain):
-      # A residual stream, as in a decoder: without it the activations shrink ~10x per layer and quadratically (the
-      # SwiGLU of small inputs), and by layer 4 they are ~1e-19 and then zero, off every kernel's common path.
-      x = x + layer(x, sets[n % 2], ids[n], rw[n])
+      # A pre-norm residual stream, as in a decoder: without the residual the activations shrink ~10x per layer and
+      # quadratically (the SwiGLU of small inputs), by layer 4 ~1e-19 and then zero; without the norm they grow
+      # quadratically to Inf (`pre_norm`). Either way the layers leave every kernel's common path.
+      x = x + layer(pre_norm(x), sets[n % 2], ids[n], rw[n])
     return x
 
   sets = p.bf16_sets if impl in BASELINES else p.quantized_sets
@@ -408,6 +419,8 @@ def run(shape: BenchShape, batches: Sequence[int], impls: Sequence[str] | None =
           row.note = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         else:
           row.latency_us, row.min_us = 1e6 * statistics.median(times) / chain, 1e6 * min(times) / chain
+          if not bool(jnp.isfinite(fn(*args)).all()):  # outside the timed runs
+            row.note = "output not finite: the timed layers ran exceptional paths"
       rows.append(row)
   if bar:
     bar.close()
