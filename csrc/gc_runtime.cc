@@ -5,10 +5,10 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <cstdlib>
 #include <cmath>
 #include <cstddef>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <iterator>
 #include <map>
@@ -599,9 +599,13 @@ std::string Runtime::Init(std::shared_ptr<const VariantSpec> spec, CUstream stre
   }
   role_ctx_[0] = pair->ctx[0];
   role_ctx_[1] = pair->ctx[1];
-  // Debug (GCMOE_DEBUG_PRIMARY_CTX=1): every role on the primary context, the grids still sized by the split.
-  const char* primary_only = std::getenv("GCMOE_DEBUG_PRIMARY_CTX");
-  if (primary_only != nullptr && std::strcmp(primary_only, "1") == 0) role_ctx_[0] = role_ctx_[1] = primary_;
+  // Debug (GCMOE_DEBUG_PRIMARY_CTX=1, read once): every role on the primary context, the grids still sized by the
+  // split. Not the virtual ranks' runtimes (ForRank): their partitions are what keeps the ranks apart.
+  static const bool primary_only = [] {
+    const char* v = std::getenv("GCMOE_DEBUG_PRIMARY_CTX");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  if (primary_only) role_ctx_[0] = role_ctx_[1] = primary_;
   return Build(tokens, clamp);
 }
 
@@ -951,49 +955,71 @@ std::string Runtime::LaunchGraph(CUstream stream, const PointerParams& ptrs) {
     return "";
   }
   const int64_t t1 = NowNs();
+  // A slot's events are taken out of the ring (made in this runtime's context when they belong to another) before
+  // the launch is timed, and the record goes back only when every call succeeded: a failed call leaves the slot
+  // empty, its events destroyed.
   Trace& tr = TheTrace();
-  std::lock_guard<std::mutex> lock(tr.mu);
-  TraceRecord& rec = tr.ring[tr.next % kTraceSlots];
-  if (rec.ctx != primary_) {  // events belong to a context: (re)made in this runtime's
-    if (rec.start != nullptr) {
-      cu_.cuEventDestroy(rec.start);
-      cu_.cuEventDestroy(rec.end);
-    }
-    rec.start = rec.end = nullptr;
-    GCMOE_CU(cu_.cuEventCreate(&rec.start, CU_EVENT_DEFAULT));
-    GCMOE_CU(cu_.cuEventCreate(&rec.end, CU_EVENT_DEFAULT));
-    rec.ctx = primary_;
+  std::unique_lock<std::mutex> lock(tr.mu);
+  const int64_t index = tr.next++;
+  TraceRecord rec = std::exchange(tr.ring[index % kTraceSlots], TraceRecord{});
+  lock.unlock();
+  auto fail = [&](CUresult rc, const char* what) {
+    if (rec.start != nullptr) cu_.cuEventDestroy(rec.start);
+    if (rec.end != nullptr) cu_.cuEventDestroy(rec.end);
+    return CudaErrorMessage(cu_, rc, what, __FILE__, __LINE__);
+  };
+  CUresult rc = CUDA_SUCCESS;
+  if (rec.ctx != primary_) {  // events belong to a context
+    if (rec.start != nullptr) cu_.cuEventDestroy(rec.start);
+    if (rec.end != nullptr) cu_.cuEventDestroy(rec.end);
+    rec = TraceRecord{};
+    if ((rc = cu_.cuEventCreate(&rec.start, CU_EVENT_DEFAULT)) != CUDA_SUCCESS) return fail(rc, "cuEventCreate");
+    if ((rc = cu_.cuEventCreate(&rec.end, CU_EVENT_DEFAULT)) != CUDA_SUCCESS) return fail(rc, "cuEventCreate");
   }
-  GCMOE_CU(cu_.cuEventRecord(rec.start, stream));
-  GCMOE_CU(cu_.cuGraphLaunch(exec_, stream));
-  GCMOE_CU(cu_.cuEventRecord(rec.end, stream));
+  if ((rc = cu_.cuEventRecord(rec.start, stream)) != CUDA_SUCCESS) return fail(rc, "cuEventRecord");
+  const int64_t t2 = NowNs();
+  rc = cu_.cuGraphLaunch(exec_, stream);
+  const int64_t t3 = NowNs();
+  if (rc != CUDA_SUCCESS) return fail(rc, "cuGraphLaunch(exec_, stream)");
+  if ((rc = cu_.cuEventRecord(rec.end, stream)) != CUDA_SUCCESS) return fail(rc, "cuEventRecord");
+  rec.ctx = primary_;
   rec.enter_ns = t0;
   rec.params_ns = t1 - t0;
-  rec.launch_ns = NowNs() - t1;
+  rec.launch_ns = t3 - t2;
   rec.updated = updated ? 1 : 0;
-  tr.next += 1;
+  lock.lock();
+  TraceRecord stale = std::exchange(tr.ring[index % kTraceSlots], rec);
+  lock.unlock();
+  if (stale.start != nullptr) cu_.cuEventDestroy(stale.start);  // only when 1024 launches overtook this one
+  if (stale.end != nullptr) cu_.cuEventDestroy(stale.end);
   return "";
 }
 
-// The trace's records, oldest first, after waiting for the last one's events: per record host enter (us from the
-// first), parameter update (us), cuGraphLaunch (us), updated (0/1), GPU start (us from the first), GPU duration (us).
+// The trace's records, oldest first, each read after its own events completed: per record host enter (us from
+// the first), parameter update (us), cuGraphLaunch (us), updated (0/1), GPU start (us from the first record, -1
+// for another context), GPU duration (us). Read when no traced call is in flight (after block_until_ready).
 std::string ReadTrace(std::vector<double>* out) {
   if (!TraceEnabled()) return "the trace is off: set GCMOE_DEBUG_TRACE=1 before the process's first CUDA call";
   std::string err;
   const CudaDriver* cu = GetCudaDriver(&err);
   if (cu == nullptr) return err;
   Trace& tr = TheTrace();
-  std::lock_guard<std::mutex> lock(tr.mu);
-  const int64_t n = std::min<int64_t>(tr.next, kTraceSlots);
+  std::vector<TraceRecord> recs;
+  {
+    std::lock_guard<std::mutex> lock(tr.mu);  // copied out: the waits below hold no lock a launch needs
+    const int64_t n = std::min<int64_t>(tr.next, kTraceSlots);
+    for (int64_t i = tr.next - n; i < tr.next; ++i) {
+      if (tr.ring[i % kTraceSlots].ctx != nullptr) recs.push_back(tr.ring[i % kTraceSlots]);
+    }
+    tr.next = 0;
+  }
   out->clear();
-  if (n == 0) return "";
-  const int64_t first = tr.next - n;
-  const TraceRecord& f = tr.ring[first % kTraceSlots];
-  ScopedContext current(*cu, f.ctx);
-  if (current.status() != CUDA_SUCCESS) return "cuCtxPushCurrent failed";
-  GCMOE_CU_OR_RETURN(*cu, cu->cuEventSynchronize(tr.ring[(tr.next - 1) % kTraceSlots].end), "cuEventSynchronize");
-  for (int64_t i = first; i < tr.next; ++i) {
-    const TraceRecord& r = tr.ring[i % kTraceSlots];
+  if (recs.empty()) return "";
+  const TraceRecord& f = recs.front();
+  for (const TraceRecord& r : recs) {
+    ScopedContext current(*cu, r.ctx);
+    if (current.status() != CUDA_SUCCESS) return "cuCtxPushCurrent failed";
+    GCMOE_CU_OR_RETURN(*cu, cu->cuEventSynchronize(r.end), "cuEventSynchronize");
     float from_first = 0.0f, dur = 0.0f;
     if (r.ctx == f.ctx) {  // events of two contexts cannot be compared
       GCMOE_CU_OR_RETURN(*cu, cu->cuEventElapsedTime(&from_first, f.start, r.start), "cuEventElapsedTime");
@@ -1003,7 +1029,6 @@ std::string ReadTrace(std::vector<double>* out) {
                            static_cast<double>(r.updated), r.ctx == f.ctx ? 1e3 * from_first : -1.0, 1e3 * dur};
     out->insert(out->end(), row, row + 6);
   }
-  tr.next = 0;
   return "";
 }
 
@@ -1208,6 +1233,10 @@ GCMOE_EXPORT int64_t gcmoe_graph_instantiations() { return gcmoe::GraphInstantia
 // Debug hook (GCMOE_DEBUG_TRACE=1): writes up to `max_records` trace records (6 doubles each, ReadTrace) to `out`,
 // oldest first, and clears the trace. Returns the records written, or -1 with `error` set.
 GCMOE_EXPORT int gcmoe_debug_trace(double* out, int max_records, char* error, int error_len) {
+  if (out == nullptr || max_records < 0) {
+    if (error != nullptr && error_len > 0) std::snprintf(error, static_cast<size_t>(error_len), "bad output buffer");
+    return -1;
+  }
   std::vector<double> rows;
   const std::string err = gcmoe::ReadTrace(&rows);
   if (!err.empty()) {

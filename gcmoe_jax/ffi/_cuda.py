@@ -381,12 +381,17 @@ def debug_read_workspace(offset: int | None = None, nbytes: int | None = None) -
   return out.raw[:nbytes]
 
 
+_TRACE_SLOTS = 1024  # csrc/gc_runtime.cc kTraceSlots
+
+
 def debug_trace() -> np.ndarray:
   """Debug hook (``GCMOE_DEBUG_TRACE=1`` set before the first call): the graph launches since the last read, oldest
-  first (at most 1024), as float64 ``[n, 6]``: host entry (us from the first), the parameter update (us), the
-  cuGraphLaunch (us), updated (1 when the call's buffers differed from the previous call's), the GPU start (us from
-  the first, by CUDA events on the call's stream; -1 for another device) and the graph's GPU time (us). Waits for the
-  last record's events; clears the trace. Calls replayed inside an XLA command buffer are not launches: not in it.
+  first (the newest ``_TRACE_SLOTS`` when there were more), as float64 ``[n, 6]``: host entry (us from the first),
+  the parameter update (us), the cuGraphLaunch (us), updated (1 when the graph's parameters were rewritten: new
+  buffers, or the first launch after a capture), the GPU start (us from the first, by CUDA events on the call's
+  stream; -1 for another device) and the graph's GPU time (us). Waits for each record's events; clears the trace.
+  Read it when no call is in flight (after ``block_until_ready``). Calls replayed inside an XLA command buffer are
+  not launches: not in it.
 
   Raises:
     RuntimeError: the library is missing or a driver call failed (the message says which).
@@ -397,7 +402,7 @@ def debug_trace() -> np.ndarray:
   fn = lib.gcmoe_debug_trace
   fn.restype = ctypes.c_int
   fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
-  out = np.zeros((1024, 6), np.float64)
+  out = np.zeros((_TRACE_SLOTS, 6), np.float64)
   error = ctypes.create_string_buffer(1024)
   n = fn(out.ctypes.data, out.shape[0], error, len(error))
   if n < 0:
