@@ -158,10 +158,12 @@ def program(shape: sweep.BenchShape, ranks: int, batch: int, impl: str, transpor
 
 
 def measure(shape: sweep.BenchShape, ranks: int, batch: int, impl: str, transport: str, *, iters: int = 10,
-            warmup: int = 2, chain: int = sweep.DEFAULT_CHAIN, seed: int = 0, weights=None) -> float:
-  """Median seconds of one expert-parallel layer (``impl`` ``gcmoe:<backend>`` or ``baseline``) on R devices."""
+            warmup: int = 2, chain: int = sweep.DEFAULT_CHAIN, seed: int = 0, weights=None) -> tuple[float, bool]:
+  """Median seconds of one expert-parallel layer (``impl`` ``gcmoe:<backend>`` or ``baseline``) on R devices, and
+  whether the chain's output was finite (checked after the timed runs)."""
   f, args = program(shape, ranks, batch, impl, transport, chain=chain, seed=seed, weights=weights)
-  return statistics.median(sweep.time_call(f, args, iters=iters, warmup=warmup)) / chain
+  seconds = statistics.median(sweep.time_call(f, args, iters=iters, warmup=warmup)) / chain
+  return seconds, bool(jnp.isfinite(f(*args)).all())
 
 
 def run(shape: sweep.BenchShape, ranks: int, batches: Sequence[int], impls: Sequence[str],
@@ -190,7 +192,10 @@ def run(shape: sweep.BenchShape, ranks: int, batches: Sequence[int], impls: Sequ
       for t in (("ragged",) if impl == "baseline" else transports):
         row = EpRow(impl, t, ranks, b, floor_us=floor)
         try:
-          row.latency_us = 1e6 * measure(shape, ranks, b, impl, t, **kw)
+          seconds, finite = measure(shape, ranks, b, impl, t, **kw)
+          row.latency_us = 1e6 * seconds
+          if not finite:
+            row.note = sweep.NOT_FINITE_NOTE
         except Exception as e:  # noqa: BLE001 - one point that cannot run must not lose the others
           row.note = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
         rows.append(row)

@@ -55,6 +55,7 @@ IMPLS = (*BASELINES, "emulated", *(f"gcmoe:{b}" for b in api.BACKENDS if b != "a
 DEFAULT_RANKS = 8
 DEFAULT_MAX_GATHER_BYTES = 8 << 30
 DEFAULT_CHAIN = 8
+NOT_FINITE_NOTE = "output not finite: the timed layers ran exceptional paths"
 CSV_COLUMNS = ("model", "device", "impl", "batch", "experts", "hidden", "intermediate", "top_k",
                "shared_intermediate", "distinct_experts", "weight_bytes", "bandwidth_gbs", "flops", "fp8_tflops",
                "floor_us", "floor_term", "latency_us", "min_us", "latency_over_floor", "floor_pct",
@@ -309,7 +310,8 @@ def pre_norm(x: jax.Array) -> jax.Array:
 
 def _impl_call(impl: str, p: _Problem, x: jax.Array, ids: jax.Array, rw: jax.Array) -> tuple[Callable, tuple]:
   """The jitted chain of ``impl`` over the layers' routes ``ids``/``rw`` ``[chain, B, k]``, and its arguments
-  (weights are arguments, never baked-in constants): layer n reads weight copy n % 2 and x_n = x_{n-1} + y_{n-1}."""
+  (weights are arguments, never baked-in constants): layer n reads weight copy n % 2 and
+  x_n = x_{n-1} + layer(pre_norm(x_{n-1}))."""
   layer = _layer(impl, p.shape.clamp)
   chain = int(ids.shape[0])
 
@@ -415,12 +417,13 @@ def run(shape: BenchShape, batches: Sequence[int], impls: Sequence[str] | None =
         fn, args = _impl_call(impl, p, x, ids, rw)
         try:
           times = time_call(fn, args, iters=iters, warmup=warmup)
+          finite = bool(jnp.isfinite(fn(*args)).all())  # outside the timed runs
         except Exception as e:  # noqa: BLE001 - one failing point (e.g. out of memory) must not lose the sweep
           row.note = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         else:
           row.latency_us, row.min_us = 1e6 * statistics.median(times) / chain, 1e6 * min(times) / chain
-          if not bool(jnp.isfinite(fn(*args)).all()):  # outside the timed runs
-            row.note = "output not finite: the timed layers ran exceptional paths"
+          if not finite:
+            row.note = NOT_FINITE_NOTE
       rows.append(row)
   if bar:
     bar.close()
