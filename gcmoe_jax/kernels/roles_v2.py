@@ -1724,8 +1724,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
           acc[4 * i + c] = _scaled_add(fast, df, xe[c % 2], wb[c // 2], acc[4 * i + c])
       else:
         # Plane 0's MMA accumulates onto 64 S1 + MAGIC, so it waits for plane 1's. Starting it from MAGIC and adding
-        # 64 S1 by one IMAD (the same int32, so the same bits) was measured on the H200: bit-identical, 1-3 % slower
-        # at B >= 64 and no faster below (docs/kernels_v2.md "Independent plane chains"): not kept.
+        # 64 S1 by one IMAD (the same int32, so the same bits) was measured on the H200: bit-identical, mixed at
+        # B <= 32, 0.6-3 % slower at every B >= 64 (docs/kernels_v2.md "Independent plane chains"): not kept.
         s1 = mma(b1, zero4)
         r0 = mma(b0, tuple(s1[c] * (1 << abi.DIGIT_BITS) + MAGIC for c in range(4)))
         r2 = mma(b2, magic4)
