@@ -931,6 +931,10 @@ bool TraceEnabled() {
   }();
   return on;
 }
+void DropEvents(const CudaDriver& cu, const TraceRecord& rec) {
+  if (rec.start != nullptr) cu.cuEventDestroy(rec.start);
+  if (rec.end != nullptr) cu.cuEventDestroy(rec.end);
+}
 int64_t NowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
@@ -964,14 +968,12 @@ std::string Runtime::LaunchGraph(CUstream stream, const PointerParams& ptrs) {
   TraceRecord rec = std::exchange(tr.ring[index % kTraceSlots], TraceRecord{});
   lock.unlock();
   auto fail = [&](CUresult rc, const char* what) {
-    if (rec.start != nullptr) cu_.cuEventDestroy(rec.start);
-    if (rec.end != nullptr) cu_.cuEventDestroy(rec.end);
+    DropEvents(cu_, rec);
     return CudaErrorMessage(cu_, rc, what, __FILE__, __LINE__);
   };
   CUresult rc = CUDA_SUCCESS;
   if (rec.ctx != primary_) {  // events belong to a context
-    if (rec.start != nullptr) cu_.cuEventDestroy(rec.start);
-    if (rec.end != nullptr) cu_.cuEventDestroy(rec.end);
+    DropEvents(cu_, rec);
     rec = TraceRecord{};
     if ((rc = cu_.cuEventCreate(&rec.start, CU_EVENT_DEFAULT)) != CUDA_SUCCESS) return fail(rc, "cuEventCreate");
     if ((rc = cu_.cuEventCreate(&rec.end, CU_EVENT_DEFAULT)) != CUDA_SUCCESS) return fail(rc, "cuEventCreate");
@@ -990,8 +992,7 @@ std::string Runtime::LaunchGraph(CUstream stream, const PointerParams& ptrs) {
   lock.lock();
   TraceRecord stale = std::exchange(tr.ring[index % kTraceSlots], rec);
   lock.unlock();
-  if (stale.start != nullptr) cu_.cuEventDestroy(stale.start);  // only when 1024 launches overtook this one
-  if (stale.end != nullptr) cu_.cuEventDestroy(stale.end);
+  DropEvents(cu_, stale);  // holds events only when 1024 launches overtook this one
   return "";
 }
 
