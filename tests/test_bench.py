@@ -66,15 +66,6 @@ def test_the_timed_chain_is_pre_normed_so_long_chains_stay_finite(monkeypatch):
   normed = np.asarray(sweep.pre_norm(x), np.float32)
   np.testing.assert_allclose(np.sqrt(np.mean(normed**2, axis=-1)), 1.0, rtol=1e-2)
   chain = 16
-  p = sweep._Problem(shape, 0)  # noqa: SLF001 - the bench's own weights and routes
-  x, ids, rw, _, _ = p.inputs(3, chain)
-  layer = jax.jit(sweep._layer("ragged_dot", None))  # noqa: SLF001
-  plain = x
-  for n in range(chain):
-    plain = plain + layer(plain, p.bf16, ids[n], rw[n])
-  assert not np.isfinite(np.asarray(plain, np.float32)).all()  # the stream the bench no longer times
-  fn, args = sweep._impl_call("ragged_dot", p, x, ids, rw)  # noqa: SLF001
-  assert np.isfinite(np.asarray(fn(*args), np.float32)).all()
   rows = sweep.run(shape, (3,), ("ragged_dot",), iters=1, warmup=1, bandwidth=2e10, fp8_rate=1e18, chain=chain,
                    progress=False)
   assert rows[0].note == "" and rows[0].latency_us > 0
