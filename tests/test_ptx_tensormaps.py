@@ -144,6 +144,21 @@ def test_at_use_gives_each_tma_instruction_its_own_address():
     ptx.rewrite_tensormaps_by_value(_module(), "k", (0,), at_use=True)
 
 
+def test_at_use_takes_a_map_loaded_again_next_to_its_use():
+  """NVVM may load a map formal again next to a use (register pressure, the shared-expert sm_120a variants): with
+  ``at_use`` each load's register must feed TMA instructions only, and every load goes; without it, two loads fail."""
+  copy = "\tcp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%r1], [%rd1,"
+  text = _module().replace(copy, "\tld.param.u64 \t%rd11, [k_param_0];\n" + copy.replace("%rd1,", "%rd11,"))
+  out = ptx.rewrite_tensormaps_by_value(text, "k", (0, 2), uses=None, at_use=True)
+  assert "[k_param_0]" not in out and "%rd11" not in out
+  assert len([ln for ln in out.splitlines() if "cvta.param::entry.u64 %tmap, k_param_0" in ln]) == 2
+  with pytest.raises(ptx.PtxError, match=r"k_param_0\) must be loaded exactly once, loaded 2 times"):
+    ptx.rewrite_tensormaps_by_value(text, "k", (0, 2), uses=None)
+  stray = text.replace("\tst.global.u32 \t[%rd2], %r2;", "\tst.global.u32 \t[%rd11], %r2;")
+  with pytest.raises(ptx.PtxError, match=r"through %rd11, also used in 'st\.global"):
+    ptx.rewrite_tensormaps_by_value(stray, "k", (0, 2), uses=None, at_use=True)
+
+
 @pytest.mark.skipif(_PTXAS is None, reason="no ptxas on this machine")
 def test_the_at_use_module_assembles():
   out = ptx.rewrite_tensormaps_by_value(_module(), "k", (0, 2), uses=None, at_use=True)

@@ -188,29 +188,35 @@ def rewrite_tensormaps_by_value(ptx: str, entry: str, indices: tuple[int, ...], 
       head = _replace_once(head, re.compile(rf"\.param\s+\.u64\s+{re.escape(name)}(?![\w])"),
                            f".param .align {TENSORMAP_BYTES} .b8 {name}[{TENSORMAP_BYTES}]", f"{name} formal")
       continue
-    if len(loads) != 1:
+    if at_use and uses is not None:
+      raise ValueError("rewrite_tensormaps_by_value: at_use needs uses=None (every use a TMA instruction)")
+    # With at_use every use addresses the parameter itself, so the compiler may load the formal more than once
+    # (NVVM rematerialises the load next to its uses under register pressure): each load's register is checked.
+    if len(loads) != 1 and not (at_use and loads):
       raise PtxError(f"ptx: entry {entry} TensorMap formal {i} ({name}) must be loaded exactly once, loaded "
                      f"{len(loads)} times")
-    reg = loads[0].group(1)
-    used = len(re.findall(rf"{re.escape(reg)}(?![\w])", body)) - 1
-    if uses is None:
-      lines = [ln.strip() for ln in body.splitlines() if re.search(rf"{re.escape(reg)}(?![\w])", ln)][1:]
-      other = [ln for ln in lines if not ln.startswith((TMA, "prefetch.tensormap"))]
-      if not lines or other:
-        raise PtxError(f"ptx: entry {entry} TensorMap formal {i} ({name}) must be used only as the TensorMap "
-                       f"operand of TMA instructions through {reg}, "
-                       + (f"also used in {other[0]!r}" if other else "never used"))
-    elif used != uses:
-      raise PtxError(f"ptx: entry {entry} TensorMap formal {i} ({name}) must be used exactly {uses} times through "
-                     f"{reg}, used {used} times")
+    for load in loads:
+      reg = load.group(1)
+      used = len(re.findall(rf"{re.escape(reg)}(?![\w])", body)) - 1
+      if uses is None:
+        lines = [ln.strip() for ln in body.splitlines() if re.search(rf"{re.escape(reg)}(?![\w])", ln)][1:]
+        other = [ln for ln in lines if not ln.startswith((TMA, "prefetch.tensormap"))]
+        if not lines or other:
+          raise PtxError(f"ptx: entry {entry} TensorMap formal {i} ({name}) must be used only as the TensorMap "
+                         f"operand of TMA instructions through {reg}, "
+                         + (f"also used in {other[0]!r}" if other else "never used"))
+      elif used != uses:
+        raise PtxError(f"ptx: entry {entry} TensorMap formal {i} ({name}) must be used exactly {uses} times "
+                       f"through {reg}, used {used} times")
     if at_use:
-      if uses is not None:
-        raise ValueError("rewrite_tensormaps_by_value: at_use needs uses=None (every use a TMA instruction)")
-      body = body[:loads[0].start()] + body[loads[0].end():]
-      body = re.sub(rf"^([ \t]*)((?:{re.escape(TMA)}|prefetch\.tensormap)[^\n]*?){re.escape(reg)}(?![\w])([^\n]*)$",
+      for load in reversed(loads):
+        body = body[:load.start()] + body[load.end():]
+      regs = "|".join(re.escape(load.group(1)) for load in loads)
+      body = re.sub(rf"^([ \t]*)((?:{re.escape(TMA)}|prefetch\.tensormap)[^\n]*?)({regs})(?![\w])([^\n]*)$",
                     lambda m: f"{m.group(1)}{{ .reg .b64 %tmap; cvta.param::entry.u64 %tmap, {name}; "
-                              f"{m.group(2)}%tmap{m.group(3)} }}", body, flags=re.M)
+                              f"{m.group(2)}%tmap{m.group(4)} }}", body, flags=re.M)
     else:
+      reg = loads[0].group(1)
       body = body[:loads[0].start()] + f"cvta.param::entry.u64 {reg}, {name};" + body[loads[0].end():]
     head = _replace_once(head, re.compile(rf"\.param\s+\.u64\s+{re.escape(name)}(?![\w])"),
                          f".param .align {TENSORMAP_BYTES} .b8 {name}[{TENSORMAP_BYTES}]", f"{name} formal")
