@@ -197,3 +197,56 @@ def test_scale_byte_prmt_extracts_each_byte():
   for w in rng.integers(0, 1 << 32, 500, dtype=np.int64):
     for s in range(4):
       assert _prmt(int(w), 0, 0x4440 + s) == (int(w) >> (8 * s)) & 0xFF
+
+
+def _e4m3_hl(word: int, i: int) -> tuple[int, int]:
+  """`roles_v2._e4m3_hl` on a 32-bit word, the fma exact in float64 (its result is exact in float32)."""
+  w = word & 0xFFFFFFFF
+  if i == 3:
+    sgn, em = w & 0x80000000, (w >> 4) & 0x07F00000
+  else:
+    sgn, em = (w << (24 - 8 * i)) & 0x80000000, (w << (20 - 8 * i)) & 0x07F00000
+  f = float(np.array([sgn | em], np.uint32).view(np.float32)[0])
+  magic = float(np.array([r2.MAGIC_FP8], np.uint32).view(np.float32)[0])
+  r = np.float32(f * float(np.array([r2.F32_2P127], np.uint32).view(np.float32)[0]) + magic)
+  assert float(r) == f * 2.0**127 + magic, "the fma must be exact"
+  n = int(np.array([r], np.float32).view(np.int32)[0]) - r2.MAGIC_FP8
+  h = n >> 6 if em >= r2.E4M3_EM_ONE else 0
+  return h, n - (h << 6)
+
+
+def test_shared_weight_decode_splits_every_e4m3_byte_in_every_position():
+  """The shared expert's table-free decode gives `reference._e4m3_split` of 512 v for every finite E4M3 byte at every
+  byte position of a word, whatever the other bytes hold."""
+  values = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64) * 512
+  rng = np.random.default_rng(0)
+  for code in range(256):
+    if not np.isfinite(values[code]):
+      continue
+    n = int(values[code])
+    want = (n // 64, 0) if abs(n) >= 512 else (0, n)
+    for i in range(4):
+      for other in rng.integers(0, 2**32, 3):
+        word = (int(other) & ~(0xFF << (8 * i)) & 0xFFFFFFFF) | (code << (8 * i))
+        assert _e4m3_hl(word, i) == want, f"byte {code:#04x} at position {i} of {word:#010x}"
+
+
+def test_shared_block_dots_fit_int32():
+  """The four split dots of an FP8 x FP8 K32 block (hi hi, hi lo, lo hi, lo lo; hi lo + lo hi summed) cannot leave
+  int32 at the extreme values."""
+  hi = int(np.abs(E4M3_INTS).max()) // 64  # 8 * 448
+  lo = int(np.abs(E4M3_INTS[np.abs(E4M3_INTS) < 512]).max())  # 512 * 0.9375
+  assert 32 * hi * hi < 2**31 and 2 * 32 * hi * lo < 2**31 and 32 * lo * lo < 2**31
+
+
+def test_shared_expert_smem_fits_the_pipeline_area_and_sm120():
+  """The shared-expert items run in the pipeline's SMEM (sm_90a) and within SM120's per-CTA budget."""
+  from gcmoe_jax.kernels.build import Variant
+  for arch in ("sm_90a", "sm_120a"):
+    for shape in ((512, 256, 8, 4, 16, 256, 128), (6144, 2048, 32, 8, 256, 2048, 128)):
+      h, i, e, k, t, s, g = shape
+      kern = r2.RoleKernelsV2(Variant(hidden=h, intermediate=i, experts=e, top_k=k, capacity=t,
+                                      shared_intermediate=s, shared_group=g), arch)
+      assert kern.shared_smem == r2.SH_BYTES <= kern.pipe_bytes or arch != "sm_90a"
+      assert kern.dynamic_smem(2) >= kern.pipe + r2.SH_BYTES
+  assert r2.SH_ACC + r2.SH_TOKENS * r2.SH_ROWS * 4 == r2.SH_BYTES

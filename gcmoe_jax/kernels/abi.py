@@ -58,7 +58,7 @@ HEADER = {
   "error_block": 20,  # u32
   "error_epoch": 24,  # u32
   "error_counter": 28,  # u32: what was awaited (role 2: the expert id, plus WAIT_GEMM1 / WAIT_XQ in v2; or
-  #                      WAIT_SHARED + the token of a shared-expert GEMM2 item)
+  #                      WAIT_SHARED + the first token of a shared-expert GEMM2 item's token group)
   "error_observed": 32,  # u32: the value seen last
   "stall_expert": 36,  # i32: test hook: role 1 never publishes this expert (-1 = off; STALL_CALL: see there)
   "host_mirror": 40,  # u64: device address of the runtime's pinned host copy of this header (0 = none)
@@ -78,6 +78,9 @@ HEADER_BYTES = 256
 PLANES = 3  # signed 6-bit digit planes of an E4M3 value times 512 (|512 v| <= 229,376 < 2**18)
 DIGIT_BITS = 6
 NAN_WORD = 0x7FFFFFFF  # exponent word of a block that held a NaN/Inf (not a multiple of 2**23)
+# Block exponent word of the shared expert's operands (`Workspace.sxe`, ``sae``) for a block that held a NaN/Inf
+# (UE8M0 exponents lie in [-127, 127]).
+SHARED_NAN_EXP = 1 << 30
 FAST_EXP = (-63, 35)  # e - 10 of every block of a row in this range (and no NaN): the row may take the fast path
 # error_counter of a role-2 wait, by what was awaited (low bits: the expert id where there is one).
 WAIT_READY, WAIT_GEMM1, WAIT_XQ, WAIT_SHARED = 0, 0x10000, 0x20000, 0x30000
@@ -138,11 +141,17 @@ class Workspace:
   # codes and planes 1-2 are unused.
   xsf: int  # u8 [capacity, H / 32]
   asf: int  # u8 [capacity * k, I / 32]
-  # The shared expert's requantized SwiGLU output (v2 with a shared expert): v1's MXFP8 form (`512 v` as int32, the
-  # block exponent, the block's NaN flag), written by the column-block items of its GEMM1 and read by its GEMM2.
-  sact: int  # i32 [capacity, Is]
-  sexp: int  # i32 [capacity, Is / 32]
-  snan: int  # i32 [capacity, Is / 32]
+  # The shared expert's operands (v2 with a shared expert), MXFP8 split as its FP8 x FP8 block dots use them
+  # (`reference` module doc): ``8 v`` where |v| >= 1 else 0 (hi), ``512 v`` where |v| < 1 else 0 (lo), int32 per
+  # element, and per K32 block its exponent e, or `SHARED_NAN_EXP` for a block that held a NaN/Inf. x is written by
+  # role 2's first phase, the requantized SwiGLU output by the shared GEMM1 items; the GEMM items copy both into SMEM
+  # as they are.
+  sxh: int  # i32 [capacity, H]
+  sxl: int  # i32 [capacity, H]
+  sxe: int  # i32 [capacity, H / 32]
+  sah: int  # i32 [capacity, Is]
+  sal: int  # i32 [capacity, Is]
+  sae: int  # i32 [capacity, Is / 32]
   # The fused transport (ranks R > 1; 0 bytes otherwise). A row of the R C global tokens g = p C + t (rank p's
   # token t) and a global assignment g k + j index the receive side: ``rows``, ``aplanes``..``asf`` then hold
   # R C k rows instead of C k. Each rank publishes its call's ids, route weights and T by parity (peers may still
@@ -235,9 +244,12 @@ def workspace_layout(experts: int, capacity: int, top_k: int, hidden: int, share
                      ("counters", 2 * 4 * counter_words(experts, capacity, shared, ranks, relay) if v2 else 0),
                      ("xsf", capacity * (hidden // 32) if v2 else 0),
                      ("asf", rcap * top_k * (intermediate // 32) if v2 else 0),
-                     ("sact", 4 * capacity * shared_intermediate if v2 and shared else 0),
-                     ("sexp", 4 * capacity * (shared_intermediate // 32) if v2 and shared else 0),
-                     ("snan", 4 * capacity * (shared_intermediate // 32) if v2 and shared else 0),
+                     ("sxh", 4 * capacity * hidden if v2 and shared else 0),
+                     ("sxl", 4 * capacity * hidden if v2 and shared else 0),
+                     ("sxe", 4 * capacity * (hidden // 32) if v2 and shared else 0),
+                     ("sah", 4 * capacity * shared_intermediate if v2 and shared else 0),
+                     ("sal", 4 * capacity * shared_intermediate if v2 and shared else 0),
+                     ("sae", 4 * capacity * (shared_intermediate // 32) if v2 and shared else 0),
                      ("pub_ids", 2 * 4 * capacity * top_k if fused else 0),
                      ("pub_rw", 2 * 4 * capacity * top_k if fused else 0),
                      ("pub_tokens", 2 * 4 if fused else 0),

@@ -668,10 +668,16 @@ class RoleKernelsV1:
     """Phase B for activation column i: BF16 bits of bf16(rw * bf16(silu(min(g, c)) * clip(u, -c, c)))."""
     v = self.v
     inter = v.shared_intermediate if cutlass.const_expr(shared) else v.intermediate
-    neg_c = c_bits ^ F32_SIGN
     gate_row = (i // GATE_UP_GROUP) * (2 * GATE_UP_GROUP) + i % GATE_UP_GROUP
     up_row = gate_row + GATE_UP_GROUP
     hg, hu = self._gemm(shared, True, v.hidden, 2 * inter, p13, sc13, gate_row, up_row, sAct, sExp, sNan)
+    return self._swiglu_bits(hg, hu, rw_bits, wsb, c_bits)
+
+  @cute.jit
+  def _swiglu_bits(self, hg: Int32, hu: Int32, rw_bits: Int32, wsb: Int64, c_bits: Int32) -> Int32:
+    """Steps 3-4 of the semantics on float32 bits of gate ``hg`` and up ``hu``: BF16 bits of
+    bf16(rw * bf16(silu(min(g, c)) * clip(u, -c, c)))."""
+    neg_c = c_bits ^ F32_SIGN
     g = _bf16_rne(hg) << BF16_SHIFT
     u = _bf16_rne(hu) << BF16_SHIFT
     g = _fmin_nan(g, c_bits)

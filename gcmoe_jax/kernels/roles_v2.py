@@ -14,9 +14,9 @@ so f32(T) and f32(S2) are exact subtractions, f32(D) one FMA, and the scaled add
 emulated on sm_90 and FP8 ``wgmma`` sums with fewer bits than FP32 (its K32 sums are not exact); int8 MMAs are
 exact and native.
 
-**Role 2, CTAs of 256 threads (8 warps)**: one per compute SM with passes of up to 64 rows, or, for routed-only
-variants of token capacity <= 32 (decode batches), two per SM with passes of up to 16 rows at <= 128 registers
-(build.py applies the .minnctapersm/.maxnreg rewrites of paper §5.1; twice the warps hide the MMA and SMEM
+**Role 2, CTAs of 256 threads (8 warps)**: one per compute SM with passes of up to 64 rows, or, for variants of
+token capacity <= 32 (decode batches; on sm_120a routed-only ones), two per SM with passes of up to 16 rows at <= 128
+registers (build.py applies the .minnctapersm/.maxnreg rewrites of paper §5.1; twice the warps hide the MMA and SMEM
 latencies better where the work per stage is small).
 
 0. Phase 0 (every CTA): MXFP8 of x, one warp per (token, K32 block), a lane per element, into ``xplanes``/``xexp``
@@ -38,12 +38,15 @@ latencies better where the work per stage is small).
 2. GEMM2 items (h, j), j < H/128, after all GEMM1 items (and the shared expert's GEMM1 items): W2 rows
    128 j.. (output columns), the same mainloop over K = I with the B operand from ``aplanes`` (gathered by
    assignment), after waiting for ``counters[par][e] == 2I/128``; o_j = bf16(acc) to ``arena``.
-3. Shared-expert items, v1's exact per-row math (SIMT, not yet on the tensor cores) split so that every CTA can take
-   a part: GEMM1 items (token, 256 activation columns: x quantized into SMEM, a column per thread, SwiGLU, the
-   columns' K32 blocks requantized into ``sact``/``sexp``/``snan``, then the token's counter += 1, release), placed
-   after the routed GEMM1 items; GEMM2 items (token, 256 output columns: wait until the token's counter reaches its
-   GEMM1 item count, its activations into SMEM, a column per thread) last. Every wait is for earlier items, so
-   with the whole grid resident no CTA waits on an item a waiting CTA holds.
+3. Shared-expert items (`_shared_core`), SIMT and exact, over token groups of up to `SH_TOKENS`: GEMM1 items
+   (group, 32 activation columns: 64 W13 rows against the group's x, which phase 0 also stores split into hi and lo
+   int32 parts, ``sxh``/``sxl``/``sxe``; SwiGLU; that K32 block of each token requantized into ``sah``/``sal``/
+   ``sae``; then the group's counter += 1, release), placed after the routed GEMM1 items; GEMM2 items (group, 64
+   output columns: wait until the group's counter reaches its GEMM1 item count, then 64 W2 rows) last. An item
+   streams K in steps of 8 K32 blocks through a cp.async double buffer: a lane per weight row decodes each E4M3
+   byte once for the group (`_e4m3_hl`) and forms the four int32 split dots of each token (one IMAD each per
+   element), the blocks' contributions go through SMEM, and a thread per (token, row) adds them in K order. Every
+   wait is for earlier items, so with the whole grid resident no CTA waits on an item a waiting CTA holds.
 
 Every wait is bounded as in v1 (``header.timeout_ns``); a timeout records (role 2, block, epoch, counter =
 `abi.WAIT_*` + expert, observed) and the CTA stops taking items. Counters are double-buffered by call parity
@@ -82,7 +85,7 @@ THREADS = v1.THREADS  # 8 warps
 WARPS = THREADS // 32
 TILE_M = 16 * WARPS  # weight rows per item: one m16 tile per warp
 NT_MAX = 8  # n-tiles of 8 rows per pass over the weights (64 rows)
-SMALL_CAPACITY = 32  # routed-only variants up to this token capacity: passes of 16 rows and two CTAs per SM
+SMALL_CAPACITY = 32  # variants up to this token capacity: passes of 16 rows and two CTAs per SM
 PLANES = abi.PLANES
 BLOCK_BYTES = PLANES * 32  # one (row, K32 block) of digit planes
 TOKEN_STRIDE = 4 * BLOCK_BYTES + 32  # SMEM bytes per token per K128 stage: padded so n-tile loads miss no bank twice
@@ -150,6 +153,27 @@ DECODE_TABLES = (POS2_LO, NEG_LO, POS_LO, SIGN_SELECT)  # the table words `_stag
 PLANE_COLUMNS = (0, 1, 0, 1, 2, 2, 2, 2)
 PAIR_SLOT_COLUMNS = (0, 0, 1, 1, 0, 0, 1, 1)
 assert all(PLANE_COLUMNS[n] == (2 if n >= 4 else n & 1) and PAIR_SLOT_COLUMNS[n] == (n >> 1) & 1 for n in range(8))
+# The shared expert (`RoleKernelsV2._shared_core`): items of `SH_ROWS` weight rows x a group of up to `SH_TOKENS`
+# tokens, K streamed in steps of `SH_STEP` K32 blocks (warp w: rows 32 (w & 1).., K128 tile (w >> 1) & 1 of the
+# step, its K32 blocks 2 (w >> 2) and 2 (w >> 2) + 1; a lane per row), double-buffered by cp.async.
+SH_TOKENS = 4  # 8 (the decode shared by twice the tokens) spilled 992 B at 255 registers
+SH_ROWS = 64
+SH_STEP = 8
+SH_LANE = 64  # weight bytes per lane and step (two K32 blocks of its row)
+SH_W = 0  # [2][8 warps][32 lanes][64 B], 16 B chunk c of a lane at c ^ ((lane >> 1) & 3): conflict-free lds.v4
+SH_S = SH_W + 2 * WARPS * 32 * SH_LANE  # [2][8][32] scale words
+SH_XH = SH_S + 2 * WARPS * 32 * 4  # [2][SH_TOKENS][256] i32: the step's hi activations
+SH_XL = SH_XH + 2 * SH_TOKENS * SH_STEP * 32 * 4  # lo
+SH_XE = SH_XL + 2 * SH_TOKENS * SH_STEP * 32 * 4  # [2][SH_TOKENS][8] block exponents
+SH_P = SH_XE + 2 * SH_TOKENS * SH_STEP * 4  # [8][SH_TOKENS][64] f32: the step's block contributions
+SH_ACC = SH_P + SH_STEP * SH_TOKENS * SH_ROWS * 4  # [SH_TOKENS][64] f32 accumulators
+SH_BYTES = SH_ACC + SH_TOKENS * SH_ROWS * 4
+# E4M3 byte -> 512 v without a table (`_e4m3_hl`): its 7 exponent/mantissa bits at float32 bits 20-26 and the sign at
+# 31 are the float32 v 2**-120 (E4M3 subnormals become float32 subnormals), and fma(f, 2**127, 1.5 2**21) adds
+# 128 v exactly to a magic number whose ulp is 2**-2, so the bits minus the magic are 512 v.
+MAGIC_FP8 = v1._f32_bits(1.5 * 2.0**21)
+F32_2P127 = v1._f32_bits(2.0**127)
+E4M3_EM_ONE = 7 << 23  # 1.0 in that field (E4M3 exponent 7 at float32 bits 23-26): |v| >= 1 from there up
 EXPAND_SELECT = 0x5140  # prmt selector of the sm_120a seam: bytes (w0, (w >> 4)0, w1, (w >> 4)1) of a 16-bit word
 
 
@@ -322,6 +346,20 @@ def _e4m3_code(n) -> Int32:
                   "cvt.rn.satfinite.e4m3x2.f32 _h, _z, _f; cvt.u32.u16 {$w0}, _h; }", f) & 0xFF
 
 
+def _e4m3_hl(word, i: int) -> tuple[Int32, Int32]:
+  """The E4M3 byte i of ``word`` (a finite weight v) as the shared expert's split (`roles_v1._split`): ``8 v`` if
+  |v| >= 1 else 0, and ``512 v`` if |v| < 1 else 0 (`MAGIC_FP8`; 9 instructions where the branchy decode took ~16)."""
+  if i == 3:
+    sgn = word & v1._i32(0x80000000)
+    em = (word >> 4) & 0x07F00000
+  else:
+    sgn = (word << (24 - 8 * i)) & v1._i32(0x80000000)
+    em = (word << (20 - 8 * i)) & 0x07F00000
+  n = v1._float_op("fma.rn.f32", sgn | em, Int32(F32_2P127), Int32(MAGIC_FP8)) - MAGIC_FP8
+  h = cutlass.select_(em >= E4M3_EM_ONE, n >> v1.E4M3_HI_SHIFT, Int32(0))
+  return h, n - (h << v1.E4M3_HI_SHIFT)
+
+
 def _lds4(addr):
   return cute.arch.inline_ptx("ld.shared.v4.u32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
                               write_only_types=[Int32] * 4, read_only_args=[addr])
@@ -482,20 +520,22 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     self.nblk_i = v.intermediate // v1.K32
     self.j1 = 2 * v.intermediate // TILE_M
     self.j2 = v.hidden // TILE_M
-    # The shared expert's items per token: its GEMM1 in blocks of THREADS activation columns (a column per
-    # thread, v1's math), its GEMM2 in blocks of THREADS output columns.
-    self.n_cb = -(-v.shared_intermediate // THREADS) if v.shared else 0
-    self.n_hb = -(-v.hidden // THREADS) if v.shared else 0
-    # SMEM: control words, the expert table (count[e], then the hit list), then the pipeline, in which v1's
-    # shared-expert path (sAct, sExp, sNan, sA) also runs.
+    # The shared expert's items per token group of `SH_TOKENS` (`_shared_core`): its GEMM1 in blocks of 32
+    # activation columns (64 W13 rows, one K32 block of its output), its GEMM2 in blocks of 64 output columns.
+    self.n_cb = v.shared_intermediate // v1.K32 if v.shared else 0
+    self.n_hb = v.hidden // SH_ROWS if v.shared else 0
+    # SMEM: control words, the expert table (count[e], then the hit list), then the pipeline, in which the
+    # shared-expert items (`SH_BYTES`) also run.
     self.table = CTRL_BYTES
     # The dynamic SMEM is declared 1024-aligned (`STAGE_ALIGN`), and the pipeline starts at a multiple of it.
     self.pipe = -(-(CTRL_BYTES + 8 * v.experts) // STAGE_ALIGN) * STAGE_ALIGN
-    # Small routed-only variants (decode batches of at most 32 tokens) run passes of at most 16 rows with a
-    # 128-register budget, so two CTAs share an SM and hide each other's latencies; the others run 64-row passes
-    # (v1's shared-expert path needs more registers). At capacity 32 an expert hit by more than 16 tokens streams
-    # its weights once per 16 rows (rare under uniform routing: ~8 rows per expert at GLM5.2 B = 32).
-    small = v.capacity <= SMALL_CAPACITY and not v.shared
+    # Small variants (decode batches of at most 32 tokens, with or without the shared expert: since session 15 its
+    # items fit too) run passes of at most 16 rows with a 128-register budget, so two CTAs share an SM and hide
+    # each other's latencies; the others run 64-row passes (239-254 registers with the shared expert). At
+    # capacity 32 an expert hit by more than 16 tokens streams its weights once per 16 rows (rare under uniform
+    # routing: ~8 rows per expert at GLM5.2 B = 32). Not the sm_120a shared-expert variants: the shared items'
+    # 52 KB (`SH_BYTES`) exceed the ~47 KB a CTA gets there at two per SM.
+    small = v.capacity <= SMALL_CAPACITY and not (v.shared and self.qmma)
     self.nt_max = 2 if small else NT_MAX
     self.ctas = 2 if small else 1
     # The FP4 operand path of the sm_120a seam (paper §4.3), chosen by the geometry at the variant's design point
@@ -522,15 +562,13 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # results exact, for A/B timing); sm_120a/sm_121a, unmeasured, the paper's TMA producer (§4.4, §5.1).
     self.tma = self.qmma or self.ablation == "tma"
     # One-row passes in `_stage`'s plane-column body (sm_90a's int8 path with the split decode; not the TMA
-    # producer, which copies every slot, nor the shared-expert variants, whose 253-255 registers spilled 8 B with
-    # it), and two-row passes in its two-row body (in the 1-tile pass's code: a pass of its own spilled at the
-    # two-CTA cap): `GCMOE_ABLATION=nosingle` builds both as 1-tile passes, for A/B timing.
-    self.single = (self.split_decode and not self.qmma and not self.tma and not v.shared
+    # producer, which copies every slot), and two-row passes in its two-row body (in the 1-tile pass's code: a pass
+    # of its own spilled at the two-CTA cap): `GCMOE_ABLATION=nosingle` builds both as 1-tile passes, for A/B timing.
+    self.single = (self.split_decode and not self.qmma and not self.tma
                    and self.ablation != "nosingle")
     # The decode's prmt tables from SMEM (`CTL_TABLES`) and the scale bytes by prmt (`_scale_byte`) in the int8
-    # variants of the cp.async producer but the shared-expert ones: at 253-255 registers either change alone (even
-    # the four table stores at the kernel's start) cost them 8 B of spills (ptxas), so they keep the older code.
-    self.smem_tables = not self.qmma and not self.tma and not v.shared
+    # variants of the cp.async producer.
+    self.smem_tables = not self.qmma and not self.tma
     self.cache = abi.pull_cache(v.top_k, v.ranks)  # rx rows per (rank, token), else per (rank, token, slot)
     self.words = abi.counter_words(v.experts, v.capacity, v.shared, v.ranks, v.relay)
     self.relay_base = abi.relay_counters(v.experts, v.capacity, v.shared)
@@ -538,31 +576,29 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # Items are claimed from a queue (an atomic add per item) in item order, so a CTA that finished early takes the
     # next item: static round-robin gave GLM5.2 B = 1 a critical path of 2 GEMM1 + 1 GEMM2 items against a mean of
     # 1.6 GEMM1 items' worth (docs/kernels_v2.md "The item queue"). `GCMOE_ABLATION=static` builds the round-robin.
-    # The shared-expert variants keep it: their v1 SIMT shared math sits at 251-255 registers, and with the queue
-    # ptxas spilled 16 B there (a claim at the top or at the end of the loop alike).
-    self.dynamic = self.ablation != "static" and not v.shared
-    # Pass bodies of 3 and 6 n-tiles (`_item`) wherever ptxas fits them without spilling: not in the SM120
-    # shared-expert variants, whose v1 shared math already holds 255 registers there (16 B spilled with them).
-    # `GCMOE_ABLATION=evenbodies` builds only the 1, 2, 4 and 8 bodies, for A/B timing.
-    self.odd_bodies = not (self.qmma and v.shared) and self.ablation != "evenbodies"
+    self.dynamic = self.ablation != "static"
+    # Pass bodies of 3 and 6 n-tiles (`_item`); `GCMOE_ABLATION=evenbodies` builds only the 1, 2, 4 and 8 bodies,
+    # for A/B timing.
+    self.odd_bodies = self.ablation != "evenbodies"
     # A barrier every two stages in narrow passes (`_cpasync_mainloop`), in the one-rank routed variants, where it
-    # was measured (2-8 % faster, bit-identical, session 13); the shared-expert variants (245-255 registers) and the
-    # fused transport's keep one per stage. `GCMOE_ABLATION=stagebar`: one per stage everywhere, for A/B timing.
-    self.paired_barrier = self.ablation != "stagebar" and not v.shared and not self.fused
+    # was measured (2-8 % faster, bit-identical, session 13), with or without the shared expert (since its items
+    # left v1's SIMT math, those variants fit every routed-path option without spilling); the fused transport's
+    # keep one per stage. `GCMOE_ABLATION=stagebar`: one per stage everywhere, for A/B timing.
+    self.paired_barrier = self.ablation != "stagebar" and not self.fused
     self.rcap = v.capacity * v.ranks
     self.tags = CTRL_BYTES // 8
     self.role1_smem = (self.tags + (self.rcap * v.top_k + 3) // 4 * 4 + 127) // 128 * 128 if self.fused else 0
-    self.v1_smem = v1.smem_bytes(variant) if v.shared else 0
+    self.shared_smem = SH_BYTES if v.shared else 0
     if self.qmma:
       # SM120's budget (99 KB per CTA, 100 KB per SM: `geometry.RTX_PRO_5000`): as many stages as fit c CTAs.
       dev = geometry.RTX_PRO_5000
       budget = (min(dev.smem_per_block, dev.smem_per_sm // self.ctas - dev.reserved_smem_per_block)
                 - STATIC_SMEM - self.pipe)
       n = stages(self.nt_max, budget, self.token_stride, self.w_bytes)
-      if n < 2 or self.v1_smem > budget:
+      if n < 2 or self.shared_smem > budget:
         raise ValueError(f"roles_v2: {variant.key} does not fit SM120's SMEM at {self.ctas} CTA(s) per SM: "
                          f"{n} pipeline stage(s) of {stage_bytes(self.nt_max, self.token_stride, self.w_bytes)} B, "
-                         f"shared-expert path {self.v1_smem} B, budget {budget} B")
+                         f"shared-expert path {self.shared_smem} B, budget {budget} B")
       self.pipe_bytes = n * stage_bytes(self.nt_max, self.token_stride, self.w_bytes)
     else:
       self.pipe_bytes = PIPE_STAGES[self.ctas - 1] * stage_bytes(self.nt_max)
@@ -594,7 +630,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   def dynamic_smem(self, role: int) -> int:
     if role == 1:
       return self.role1_smem
-    return self.pipe + max(self.pipe_bytes, self.v1_smem) if role == 2 else 0
+    return self.pipe + max(self.pipe_bytes, self.shared_smem) if role == 2 else 0
 
   def ctas_per_sm(self, role: int) -> int:
     """CTAs of role ``role`` the kernel is built to co-schedule per SM (its grid is that times the compute SMs)."""
@@ -850,8 +886,12 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       t = q // self.nblk_h
       b = q - t * self.nblk_h
       val = v1._ld_nc_bf16(x.toint() + (Int64(t) * v.hidden + b * v1.K32 + lane) * v1.BF16_BYTES)
-      self._quantize_lane(val, lane, wsb + ws.xplanes + Int64(q) * BLOCK_BYTES, wsb + ws.xexp + Int64(q) * 4,
-                          wsb + ws.xflag + Int64(t) * 4, wsb + ws.xsf + Int64(q), cur)
+      n, e, bad = self._quantize_lane(val, lane, wsb + ws.xplanes + Int64(q) * BLOCK_BYTES,
+                                      wsb + ws.xexp + Int64(q) * 4, wsb + ws.xflag + Int64(t) * 4,
+                                      wsb + ws.xsf + Int64(q), cur)
+      if cutlass.const_expr(v.shared):
+        self._store_split(n, e, bad, lane, wsb + ws.sxh + Int64(q) * (v1.K32 * 4),
+                          wsb + ws.sxl + Int64(q) * (v1.K32 * 4), wsb + ws.sxe + Int64(q) * 4)
     if cutlass.const_expr(self.fused):
       # This call's routes and T for the peers' role 1, by parity (a peer may still read the previous call's).
       pub = Int64(par) * (v.capacity * v.top_k)
@@ -909,9 +949,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     n2 = n_hit * (0 if cutlass.const_expr(self.ablation == "nogemm2") else self.j2)
     n_s1 = Int32(0)
     n_s2 = Int32(0)
+    n_tg = (n_tok + SH_TOKENS - 1) // SH_TOKENS
     if cutlass.const_expr(v.shared):
-      n_s1 = n_tok * self.n_cb
-      n_s2 = n_tok * self.n_hb
+      n_s1 = n_tg * self.n_cb
+      n_s2 = n_tg * self.n_hb
     n_items = cutlass.select_(ok != 0, n1 + n2 + n_s1 + n_s2, Int32(0))
     failed = Int32(0)
     first, step = bid, grid32
@@ -976,16 +1017,19 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         else:
           if cutlass.const_expr(v.shared):
             token_counters = counters + Int64(v.experts + 1) * v1.WORD_BYTES
+            # Column-block-major: the groups' items on the same weight rows run together (L2 reuse).
             if item < n1 + n_s1:
               s = item - n1
-              t = s // self.n_cb
-              self._shared_gemm1(t, s - t * self.n_cb, x.toint(), s13.toint(), s13_scale.toint(), wsb, c_bits,
-                                 token_counters + Int64(t) * v1.WORD_BYTES)
+              cb = s // n_tg
+              tg = s - cb * n_tg
+              self._shared_gemm1(tg, cb, n_tok, s13.toint(), s13_scale.toint(), wsb, c_bits, pipe,
+                                 token_counters + Int64(tg) * v1.WORD_BYTES)
             else:
               s = item - (n1 + n_s1 + n2)
-              t = s // self.n_hb
-              failed = self._shared_gemm2(t, s - t * self.n_hb, s2.toint(), s2_scale.toint(), wsb, cur, bid,
-                                          token_counters + Int64(t) * v1.WORD_BYTES)
+              hb = s // n_tg
+              tg = s - hb * n_tg
+              failed = self._shared_gemm2(tg, hb, n_tok, s2.toint(), s2_scale.toint(), wsb, cur, bid, pipe,
+                                          token_counters + Int64(tg) * v1.WORD_BYTES)
       if cutlass.const_expr(self.timeline):
         self._tl_item(wsb, cur, bid, ctl, item, 2)
       # A CTA that failed a wait goes on claiming (and skipping) items, as with the round-robin, so the claims of
@@ -1046,83 +1090,236 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     cute.arch.sync_threads()  # every thread read it before the next claim overwrites it
     return item
 
-  def _v1_smem(self):
-    """v1's per-row SMEM (sAct, sExp, sNan, sA), carved from the pipeline area."""
-    k_blocks = self.k_max // v1.K32
-    base = cute.arch.get_dyn_smem(Int32, alignment=STAGE_ALIGN) + self.pipe // 4
-    sAct = cute.make_tensor(base, cute.make_layout(self.k_max))
-    sExp = cute.make_tensor(base + self.k_max, cute.make_layout(k_blocks))
-    sNan = cute.make_tensor(base + self.k_max + k_blocks, cute.make_layout(k_blocks))
-    sA = cute.make_tensor(cute.recast_ptr(base + self.k_max + 2 * k_blocks, dtype=cutlass.Uint16),
-                          cute.make_layout(self.i_max))
-    return sAct, sExp, sNan, sA
-
-  def _shared_act(self, wsb: Int64, t: Int32):
-    """Token t's row of the shared expert's requantized activations in the workspace (`abi.Workspace.sact`)."""
-    v, ws = self.v, self.ws
-    n_blk = v.shared_intermediate // v1.K32
-    act = cute.make_tensor(v1._gptr(wsb + ws.sact + Int64(t) * (v.shared_intermediate * 4)),
-                           cute.make_layout(v.shared_intermediate))
-    exps = cute.make_tensor(v1._gptr(wsb + ws.sexp + Int64(t) * (n_blk * 4)), cute.make_layout(n_blk))
-    nans = cute.make_tensor(v1._gptr(wsb + ws.snan + Int64(t) * (n_blk * 4)), cute.make_layout(n_blk))
-    return act, exps, nans
+  @cute.jit
+  def _store_split(self, n: Int32, e: Int32, bad: Int32, lane: Int32, hi: Int64, lo: Int64, exp: Int64):
+    """One K32 block of a shared-expert operand, a lane per element (``n`` = 512 v): its hi and lo parts
+    (`roles_v1._split`) at ``hi``/``lo`` + 4 lane, its exponent word (`abi.SHARED_NAN_EXP` for a NaN block) at
+    ``exp`` (`abi.Workspace.sxh`)."""
+    h, lw = v1._split(n)
+    v1._st(hi + Int64(lane) * 4, h)
+    v1._st(lo + Int64(lane) * 4, lw)
+    if lane == 0:
+      v1._st(exp, cutlass.select_(bad != 0, Int32(abi.SHARED_NAN_EXP), e))
 
   @cute.jit
-  def _shared_gemm1(self, t: Int32, cb: Int32, xb: Int64, s13: Int64, s13s: Int64, wsb: Int64, c_bits: Int32,
-                    counter: Int64):
-    """Shared expert, token t, activation columns 256 cb..: v1's phases A-C for those columns (x quantized again
-    here, it is cheap), the requantized blocks stored to the workspace, then the token's counter += 1 (release).
-    The same operations as v1's per-row path, split so that every CTA can take a part."""
-    v = self.v
+  def _shared_gemm1(self, tg: Int32, cb: Int32, n_tok: Int32, s13: Int64, s13s: Int64, wsb: Int64, c_bits: Int32,
+                    sb: Int32, counter: Int64):
+    """Shared expert GEMM1, token group tg, activation columns 32 cb..: W13 rows 64 cb.. (gate and up of those
+    columns, `formats` interleave) against the group's x (`_shared_core`), SwiGLU, then the K32 block cb of each
+    token's requantized output to ``sah``/``sal``/``sae`` (a warp per token), and the group's counter += 1
+    (release)."""
+    v, ws = self.v, self.ws
     tid, _, _ = cute.arch.thread_idx()
-    sAct, sExp, sNan, sA = self._v1_smem()
-    self._quantize_x(xb, t, sAct, sExp, sNan)
-    cute.arch.sync_threads()
-    c0 = cb * THREADS
-    cols = cutlass.min(Int32(v.shared_intermediate) - c0, Int32(THREADS))
-    if tid < cols:
-      sA[tid] = cutlass.Uint16(self._swiglu_column(True, c0 + tid, Int32(v1.F32_ONE), s13, s13s, wsb, c_bits, sAct,
-                                                   sExp, sNan))
-    cute.arch.sync_threads()
-    act, exps, nans = self._shared_act(wsb, t)
-    for b in range(tid, cols // v1.K32, THREADS):
-      self._quantize_act_block(sA, b, c0 // v1.K32 + b, act, exps, nans)
+    t0 = tg * SH_TOKENS
+    nt = cutlass.min(n_tok - t0, Int32(SH_TOKENS))
+    self._shared_dispatch(nt, t0, s13, s13s, 2 * v.shared_intermediate, v.hidden, cb * SH_ROWS,
+                          wsb + ws.sxh, wsb + ws.sxl, wsb + ws.sxe, sb)
+    col = tid % 32
+    tok = tid // 32
+    if tok < nt:  # warp-uniform: a warp per token, a lane per column
+      gate = (col // v1.GATE_UP_GROUP) * (2 * v1.GATE_UP_GROUP) + col % v1.GATE_UP_GROUP
+      hg = _lds(sb + SH_ACC + (tok * SH_ROWS + gate) * 4)
+      hu = _lds(sb + SH_ACC + (tok * SH_ROWS + gate + v1.GATE_UP_GROUP) * 4)
+      a = self._swiglu_bits(hg, hu, Int32(v1.F32_ONE), wsb, c_bits)
+      n, e, bad = self._mx_lane(a << v1.BF16_SHIFT)
+      t = Int64(t0 + tok)
+      blk = t * self.n_cb + cb
+      self._store_split(n, e, bad, col, wsb + ws.sah + blk * (v1.K32 * 4), wsb + ws.sal + blk * (v1.K32 * 4),
+                        wsb + ws.sae + blk * 4)
     cute.arch.sync_threads()
     if tid == 0:
       cute.arch.fence_acq_rel_gpu()
       _red_release_add(counter, 1)
-    cute.arch.sync_threads()  # sAct and sA are rewritten by the next item
 
   @cute.jit
-  def _shared_gemm2(self, t: Int32, hb: Int32, s2: Int64, s2s: Int64, wsb: Int64, cur: Int32, bid: Int32,
-                    counter: Int64) -> Int32:
-    """Shared expert, token t, output columns 256 hb..: after the token's GEMM1 blocks (bounded wait), its
-    activations to SMEM and v1's phase D for those columns into ``shared_out``. Returns 1 when the wait failed."""
-    v = self.v
+  def _shared_gemm2(self, tg: Int32, hb: Int32, n_tok: Int32, s2: Int64, s2s: Int64, wsb: Int64, cur: Int32,
+                    bid: Int32, sb: Int32, counter: Int64) -> Int32:
+    """Shared expert GEMM2, token group tg, output columns 64 hb..: after the group's GEMM1 items (bounded wait),
+    W2 rows 64 hb.. against its requantized activations, bf16 into ``shared_out``. Returns 1 when the wait failed."""
+    v, ws = self.v, self.ws
     tid, _, _ = cute.arch.thread_idx()
+    t0 = tg * SH_TOKENS
+    nt = cutlass.min(n_tok - t0, Int32(SH_TOKENS))
     ok = Int32(1)
     if tid == 0:
-      ok = self._wait_geq(counter, Int32(self.n_cb), wsb, cur, bid, abi.WAIT_SHARED + t)
+      ok = self._wait_geq(counter, Int32(self.n_cb), wsb, cur, bid, abi.WAIT_SHARED + t0)
     failed = Int32(0)
     if _bar_or(ok == 0) != 0:
       failed = Int32(1)
     else:
-      sAct, sExp, sNan, _ = self._v1_smem()
-      act, exps, nans = self._shared_act(wsb, t)
-      # Coherent loads (other CTAs wrote these during this call): relaxed at GPU scope, after thread 0's acquire.
-      for i in range(tid, v.shared_intermediate, THREADS):
-        sAct[i] = cute.arch.load(act.iterator + i, Int32, sem="relaxed", scope="gpu")
-      for b in range(tid, v.shared_intermediate // v1.K32, THREADS):
-        sExp[b] = cute.arch.load(exps.iterator + b, Int32, sem="relaxed", scope="gpu")
-        sNan[b] = cute.arch.load(nans.iterator + b, Int32, sem="relaxed", scope="gpu")
-      cute.arch.sync_threads()
-      h = hb * THREADS + tid
-      if h < v.hidden:
-        acc, _ = self._gemm(True, False, v.shared_intermediate, v.hidden, s2, s2s, h, h, sAct, sExp, sNan)
-        out = wsb + self.ws.shared_out + (Int64(t) * v.hidden + h) * v1.BF16_BYTES
-        v1._st_bf16(out, v1._bf16_rne(acc))
-      cute.arch.sync_threads()  # sAct is rewritten by the next item
+      self._shared_dispatch(nt, t0, s2, s2s, v.hidden, v.shared_intermediate, hb * SH_ROWS,
+                            wsb + ws.sah, wsb + ws.sal, wsb + ws.sae, sb)
+      row = tid % SH_ROWS
+      for j in cutlass.range_constexpr(SH_TOKENS * SH_ROWS // THREADS):
+        tok = tid // SH_ROWS + j * (THREADS // SH_ROWS)
+        if tok < nt:
+          acc = _lds(sb + SH_ACC + (tok * SH_ROWS + row) * 4)
+          out = wsb + ws.shared_out + (Int64(t0 + tok) * v.hidden + hb * SH_ROWS + row) * v1.BF16_BYTES
+          v1._st_bf16(out, v1._bf16_rne(acc))
+      cute.arch.sync_threads()  # the accumulators are zeroed by the next item
     return failed
+
+  @cute.jit
+  def _shared_dispatch(self, nt: Int32, t0: Int32, pw: Int64, psc: Int64, n: cutlass.Constexpr,
+                       k: cutlass.Constexpr, row0: Int32, ah: Int64, al: Int64, ae: Int64, sb: Int32):
+    """`_shared_core` unrolled for the fewest tokens of `SH_CORES` that hold the group's ``nt``."""
+    if nt == 1:
+      self._shared_core(1, nt, t0, pw, psc, n, k, row0, ah, al, ae, sb)
+    elif nt == 2:
+      self._shared_core(2, nt, t0, pw, psc, n, k, row0, ah, al, ae, sb)
+    else:
+      if cutlass.const_expr(SH_TOKENS == 4):
+        self._shared_core(4, nt, t0, pw, psc, n, k, row0, ah, al, ae, sb)
+      else:
+        if nt <= 4:
+          self._shared_core(4, nt, t0, pw, psc, n, k, row0, ah, al, ae, sb)
+        else:
+          self._shared_core(8, nt, t0, pw, psc, n, k, row0, ah, al, ae, sb)
+
+  @cute.jit
+  def _shared_core(self, tbc: cutlass.Constexpr, nt: Int32, t0: Int32, pw: Int64, psc: Int64, n: cutlass.Constexpr,
+                   k: cutlass.Constexpr, row0: Int32, ah: Int64, al: Int64, ae: Int64, sb: Int32):
+    """``acc[t][r] = sum over K32 blocks b in order of p(t, r, b)`` (the FP8 x FP8 block dots of the `reference`
+    module doc) for the group's tokens t < tbc (those past ``nt`` read zeros) and weight rows row0 + r, r < 64,
+    into SMEM (`SH_ACC`).
+
+    MXFP8 weights ``pw`` [K/128, n, 128] (E4M3) with scales ``psc`` [n, ceil(K / (4 group))]; activations as hi/lo
+    int32 rows of K at ``ah``/``al`` and exponent words at ``ae`` (`abi.Workspace.sxh`). Each step of `SH_STEP` K32
+    blocks: the next step's weights and activations are copied (cp.async) while this one's block dots run, a lane
+    per weight row, each E4M3 byte decoded once for all tbc tokens (`_e4m3_hl`), four exact int32 dots per block
+    (hi hi, hi lo, lo hi, lo lo: one IMAD each per element and token), the block's p to SMEM; then a thread per
+    (token, row) adds the step's p in increasing K (the order the semantics fix, which a split of K across warps
+    would otherwise break)."""
+    tid, _, _ = cute.arch.thread_idx()
+    k_tiles = k // v1.K128
+    n_steps = -(-k_tiles // 2)
+    for i in range(tid, SH_TOKENS * SH_ROWS, THREADS):
+      _sts(sb + SH_ACC + i * 4, Int32(0))
+    self._sh_issue(tbc, Int32(0), Int32(0), nt, t0, pw, psc, n, k, row0, ah, al, ae, sb)
+    _commit()
+    for s in range(n_steps):
+      buf = s & 1
+      if s > 0:
+        self._sh_accumulate(tbc, s - 1, k, sb)
+      if s + 1 < n_steps:
+        self._sh_issue(tbc, s + 1, buf ^ 1, nt, t0, pw, psc, n, k, row0, ah, al, ae, sb)
+      _commit()
+      _wait_group(1)  # this thread's copies of step s have landed
+      cute.arch.sync_threads()
+      self._sh_compute(tbc, s, buf, k, sb)
+      cute.arch.sync_threads()
+    self._sh_accumulate(tbc, n_steps - 1, k, sb)
+    cute.arch.sync_threads()
+
+  @cute.jit
+  def _sh_issue(self, tbc: cutlass.Constexpr, s: Int32, buf: Int32, nt: Int32, t0: Int32, pw: Int64, psc: Int64,
+                n: cutlass.Constexpr, k: cutlass.Constexpr, row0: Int32, ah: Int64, al: Int64, ae: Int64,
+                sb: Int32):
+    """cp.async of step s into buffer buf: each lane its row's 64 weight bytes and scale word, the CTA the tbc
+    tokens' hi/lo activations and exponent words (zeros past ``nt`` and past K)."""
+    tid, _, _ = cute.arch.thread_idx()
+    warp = tid // 32
+    lane = tid % 32
+    group = self.v.shared_group
+    scale_words = -(-k // (v1.SCALES_PER_WORD * group))
+    kt = 2 * s + (warp >> 1) % 2
+    if kt < k // v1.K128:
+      row = row0 + 32 * (warp % 2) + lane
+      src = pw + (Int64(kt) * n + row) * v1.FP8_TILE_BYTES + (warp >> 2) * SH_LANE
+      slot = (buf * WARPS + warp) * 32 + lane
+      dst = sb + SH_W + slot * SH_LANE
+      swz = (lane >> 1) % 4
+      for c in cutlass.range_constexpr(SH_LANE // 16):
+        _cp16(dst + 16 * (Int32(c) ^ swz), src + 16 * c, Int32(16))
+      word = kt if group == v1.K32 else kt // 4
+      _cp4(sb + SH_S + slot * 4, psc + (Int64(row) * scale_words + word) * 4)
+    chunks = SH_STEP * v1.K32 // 4  # 16 B chunks per token and step
+    for q in range(tid, 2 * tbc * chunks, THREADS):
+      lo = q // (tbc * chunks)
+      r = q - lo * (tbc * chunks)
+      tok = r // chunks
+      c = r - tok * chunks
+      el = s * (SH_STEP * v1.K32) + 4 * c
+      ok = (tok < nt) & (el < k)
+      base = cutlass.select_(lo != 0, al, ah)
+      src = base + cutlass.select_(ok, (Int64(t0 + tok) * k + el) * 4, Int64(0))
+      dst = sb + SH_XH + lo * (SH_XL - SH_XH) + ((buf * SH_TOKENS + tok) * (SH_STEP * v1.K32) + 4 * c) * 4
+      _cp16(dst, src, cutlass.select_(ok, Int32(16), Int32(0)))
+    for q in range(tid, tbc * (SH_STEP // 4), THREADS):
+      tok = q // (SH_STEP // 4)
+      c = q - tok * (SH_STEP // 4)
+      blk = s * SH_STEP + 4 * c
+      ok = (tok < nt) & (blk < k // v1.K32)
+      src = ae + cutlass.select_(ok, (Int64(t0 + tok) * (k // v1.K32) + blk) * 4, Int64(0))
+      _cp16(sb + SH_XE + ((buf * SH_TOKENS + tok) * SH_STEP + 4 * c) * 4, src, cutlass.select_(ok, Int32(16),
+                                                                                                Int32(0)))
+
+  @cute.jit
+  def _sh_compute(self, tbc: cutlass.Constexpr, s: Int32, buf: Int32, k: cutlass.Constexpr, sb: Int32):
+    """Step s's block dots: warp w, lane l: weight row 32 (w & 1) + l, K128 tile 2 s + ((w >> 1) & 1), its K32
+    blocks 2 (w >> 2) and 2 (w >> 2) + 1, for each of tbc tokens; p(t, r, b) to `SH_P`."""
+    tid, _, _ = cute.arch.thread_idx()
+    warp = tid // 32
+    lane = tid % 32
+    ts = (warp >> 1) % 2
+    bp = warp >> 2
+    kt = 2 * s + ts
+    if kt < k // v1.K128:
+      slot = (buf * WARPS + warp) * 32 + lane
+      wrow = sb + SH_W + slot * SH_LANE
+      swz = (lane >> 1) % 4
+      sw = _lds(sb + SH_S + slot * 4)
+      row = 32 * (warp % 2) + lane
+      for jj in cutlass.range_constexpr(2):
+        lb = 4 * ts + 2 * bp + jj
+        byte = 2 * bp + jj if self.v.shared_group == v1.K32 else kt % 4
+        ew = ((sw >> (byte * v1.BYTE_BITS)) & v1.BYTE_MASK) - v1.UE8M0_BIAS
+        shh = [Int32(0)] * tbc
+        shl = [Int32(0)] * tbc
+        slh = [Int32(0)] * tbc
+        sll = [Int32(0)] * tbc
+        for q2 in cutlass.range_constexpr(2):
+          wv = _lds4(wrow + 16 * (Int32(2 * jj + q2) ^ swz))
+          for wd in cutlass.range_constexpr(4):
+            hl = [_e4m3_hl(wv[wd], i) for i in range(4)]
+            e0 = (4 * q2 + wd) * 4
+            for t in cutlass.range_constexpr(tbc):
+              xa = sb + SH_XH + ((buf * SH_TOKENS + t) * (SH_STEP * v1.K32) + lb * v1.K32 + e0) * 4
+              xh = _lds4(xa)
+              xl = _lds4(xa + (SH_XL - SH_XH))
+              for i in cutlass.range_constexpr(4):
+                wh, wl = hl[i]
+                shh[t] = shh[t] + xh[i] * wh
+                shl[t] = shl[t] + xh[i] * wl
+                slh[t] = slh[t] + xl[i] * wh
+                sll[t] = sll[t] + xl[i] * wl
+        for t in cutlass.range_constexpr(tbc):
+          ex = _lds(sb + SH_XE + ((buf * SH_TOKENS + t) * SH_STEP + lb) * 4)
+          p = v1._fadd(v1._fmul(v1._i2f(shh[t]), v1.FP8_PART_BITS[0]),
+                       v1._fmul(v1._i2f(shl[t] + slh[t]), v1.FP8_PART_BITS[1]))
+          p = v1._fadd(p, v1._fmul(v1._i2f(sll[t]), v1.FP8_PART_BITS[2]))
+          p = v1._scale_pow2(p, ex + ew)
+          p = cutlass.select_(ex == abi.SHARED_NAN_EXP, Int32(v1.F32_QNAN), p)
+          _sts(sb + SH_P + ((lb * SH_TOKENS + t) * SH_ROWS + row) * 4, p)
+
+  @cute.jit
+  def _sh_accumulate(self, tbc: cutlass.Constexpr, s: Int32, k: cutlass.Constexpr, sb: Int32):
+    """A thread per (token, row): acc += p of step s's blocks, in increasing K."""
+    tid, _, _ = cute.arch.thread_idx()
+    row = tid % SH_ROWS
+    for j in cutlass.range_constexpr(-(-tbc * SH_ROWS // THREADS)):
+      tok = tid // SH_ROWS + j * (THREADS // SH_ROWS)
+      if tok < tbc:
+        a = sb + SH_ACC + (tok * SH_ROWS + row) * 4
+        acc = _lds(a)
+        for lb in cutlass.range_constexpr(SH_STEP):
+          p = _lds(sb + SH_P + ((lb * SH_TOKENS + tok) * SH_ROWS + row) * 4)
+          if cutlass.const_expr(lb >= 4 and (k // v1.K32) % SH_STEP != 0):
+            # The last step of a K of an odd number of K128 tiles has 4 blocks: adding +0 leaves acc as it is
+            # (an ftz sum is never -0 or subnormal).
+            p = cutlass.select_(s * SH_STEP + lb < k // v1.K32, p, Int32(0))
+          acc = v1._fadd(acc, p)
+        _sts(a, acc)
 
   @cute.jit
   def _wait_geq(self, addr: Int64, target: Int32, wsb: Int64, cur: Int32, bid: Int32, what: Int32,
@@ -1157,15 +1354,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     return ok
 
   @cute.jit
-  def _quantize_lane(self, val: Int32, lane: Int32, planes: Int64, exp_addr: Int64, flag_addr: Int64, sf_addr: Int64,
-                     cur: Int32):
-    """MXFP8 of one K32 block held one element per lane (float32 bits), written as digit planes + exponent word.
-
-    The same arithmetic as `roles_v1._quantize_block` (amax over finite values, NaN/Inf flags the block, RNE onto
-    E4M3 after the two-step scaling), with the amax and the flag reduced across the warp. A NaN block or an
-    exponent outside `abi.FAST_EXP` tags the row's flag word with ``cur``. The sm_120a seam stores the block's
-    E4M3 codes in plane 0 and its UE8M0 byte at ``sf_addr`` instead (0xFF, NaN, for a NaN block).
-    """
+  def _mx_lane(self, val: Int32):
+    """MXFP8 of one K32 block held one element per lane (float32 bits): (``512 q`` of this lane's element, the
+    block's exponent e, 1 if the block held a NaN/Inf). The arithmetic of `roles_v1._quantize_block` (amax over
+    finite values, RNE onto E4M3 after the two-step scaling), the amax and the flag reduced across the warp."""
     a = val & v1.F32_ABS
     finite = a < v1.F32_INF
     amax = cutlass.select_(finite, a, Int32(0))
@@ -1177,7 +1369,19 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     neg = -e
     half = neg >> 1
     q = v1._fmul(v1._fmul(val, v1._exp2_bits(half)), v1._exp2_bits(neg - half))
-    n = cutlass.select_(finite, v1._e4m3_int(q), Int32(0))
+    return cutlass.select_(finite, v1._e4m3_int(q), Int32(0)), e, bad
+
+  @cute.jit
+  def _quantize_lane(self, val: Int32, lane: Int32, planes: Int64, exp_addr: Int64, flag_addr: Int64, sf_addr: Int64,
+                     cur: Int32):
+    """MXFP8 of one K32 block held one element per lane (float32 bits), written as digit planes + exponent word.
+
+    The same arithmetic as `roles_v1._quantize_block` (amax over finite values, NaN/Inf flags the block, RNE onto
+    E4M3 after the two-step scaling), with the amax and the flag reduced across the warp. A NaN block or an
+    exponent outside `abi.FAST_EXP` tags the row's flag word with ``cur``. The sm_120a seam stores the block's
+    E4M3 codes in plane 0 and its UE8M0 byte at ``sf_addr`` instead (0xFF, NaN, for a NaN block).
+    """
+    n, e, bad = self._mx_lane(val)
     m = cutlass.select_(n < 0, -n, n)
     sgn = cutlass.select_(n < 0, Int32(-1), Int32(1))
     mask = (1 << abi.DIGIT_BITS) - 1
@@ -1195,6 +1399,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         v1._st(exp_addr, cutlass.select_(bad != 0, Int32(abi.NAN_WORD), xe << v1.F32_MANT_BITS))
         if (bad != 0) | (xe < abi.FAST_EXP[0]) | (xe > abi.FAST_EXP[1]):
           v1._st(flag_addr, cur)
+    return n, e, bad
 
   @cute.jit
   def _item(self, g2: cutlass.Constexpr, e: Int32, j: Int32, count: Int32, rwb: Int64, pw: Int64, psc: Int64,
