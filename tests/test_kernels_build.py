@@ -4,6 +4,7 @@ Compiling needs CuTe DSL (``nvidia-cutlass-dsl``); those tests skip with the imp
 module-scoped cache directory holds every build, so each (arch, variant) compiles once.
 """
 
+import dataclasses
 import json
 import pathlib
 import re
@@ -470,6 +471,16 @@ def test_the_static_ablation_builds_the_round_robin(cache, monkeypatch):
   meta = build.compile_variant("sm_90a", SMALL, cache_dir=cache)
   assert "+static-" in meta["key"]
   assert "atom.relaxed.gpu.global.add.u32" not in _ptx(meta, 2)
+
+
+@needs_dsl
+@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
+def test_a_shared_expert_of_an_odd_number_of_k128_tiles_compiles(cache):
+  """Is = 384: the shared GEMM2's last K step holds one K128 tile, so half its block slots are skipped (the case
+  no paper shape has; it once failed to trace)."""
+  meta = build.compile_variant("sm_90a", dataclasses.replace(SMALL_SHARED, shared_intermediate=384), cache_dir=cache)
+  assert meta["variant"]["shared_intermediate"] == 384
+  assert all(r["spill_bytes"] <= build._SPILL_BUDGET.get(r["role"], 0) for r in meta["roles"])
 
 
 @needs_dsl

@@ -135,7 +135,7 @@ class Workspace:
   aexp: int  # i32 [capacity * k, I / 32]
   aflag: int  # u32 [capacity * k]
   counters: int  # u32 [2, E + 1 (+ capacity)] by call parity: GEMM1 tiles done per expert, then CTAs done
-  #               quantizing x, then (with a shared expert) the shared expert's GEMM1 column blocks done per token
+  #               quantizing x, then (with a shared expert) the shared expert's GEMM1 items done per token group
   # UE8M0 scale bytes of those blocks (e + 127; 0xFF for a block that held a NaN/Inf), for the sm_120a seam, whose
   # block-scaled MMA reads four of them (one K128 stage) as one word. There, plane 0 of a block holds its E4M3
   # codes and planes 1-2 are unused.
@@ -182,8 +182,9 @@ class Workspace:
 
 def counter_words(experts: int, capacity: int, shared: bool, ranks: int = 1, relay: bool = False) -> int:
   """Words of one parity of the v2 ``counters`` section: E experts, the x-quantization count, with a shared
-  expert one per token, with R > 1 ranks two more (`fused_counters`), on the relay return path one per
-  expert (its GEMM2 items done, `relay_counters`), and last role 2's item queue (`queue_counter`)."""
+  expert one per token (its token groups use the first ceil(T / 4)), with R > 1 ranks two more (`fused_counters`),
+  on the relay return path one per expert (its GEMM2 items done, `relay_counters`), and last role 2's item queue
+  (`queue_counter`)."""
   return queue_counter(experts, capacity, shared, ranks, relay) + 1
 
 

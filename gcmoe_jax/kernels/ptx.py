@@ -158,7 +158,8 @@ def rewrite_tensormaps_by_value(ptx: str, entry: str, indices: tuple[int, ...], 
   ``.param .align 128 .b8 NAME[128]`` and its load ``cvta.param::entry.u64 %rdN, NAME;`` (the generic address of
   the parameter), so every TMA instruction addresses the parameter space directly.
 
-  Asserts, per map, that the formal is a ``.u64``, that it is loaded exactly once and that the loaded register is
+  Asserts, per map, that the formal is a ``.u64``, that it is loaded exactly once (with ``at_use``: at least once,
+  every load's register checked the same way) and that the loaded register is
   used exactly ``uses`` times (the paper's "loaded once, used twice": a stronger check than counting formals, which
   fails if the compiler ever reuses a descriptor for a second purpose). ``uses=None``: any number of uses, each of
   them the TensorMap operand of a TMA instruction (role 2 issues its tile copies from one site per pass width).

@@ -23,7 +23,7 @@ latencies better where the work per stage is small).
    (and ``xflag``); then ``counters[par][E] += 1`` (release). Then every CTA waits for the count to reach the grid
    and for every expert's publication (a thread per expert), and lists the experts hit in SMEM.
 1. GEMM1 items (h, j) over the hit list, j < 2I/128, each CTA claiming its next item from the call's queue (an
-   atomic add; the shared-expert variants take items c, c + G, ...: `_claim`): W13 rows 128 j..128 j + 127
+   atomic add, `_claim`): W13 rows 128 j..128 j + 127
    (gate/up of intermediate columns 64 j..64 j + 63). Swap-AB: weights on M (warp w: rows 16 w..16 w + 15, so a
    thread's C fragment holds gate (row g) and up (row g + 8) of one column), the expert's rows on N (chunks of up
    to 64, n-tiles of 8, bodies for 1, 2, 3, 4, 6 and 8 n-tiles). A multistage pipeline streams per K128:
@@ -534,7 +534,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # each other's latencies; the others run 64-row passes (239-254 registers with the shared expert). At
     # capacity 32 an expert hit by more than 16 tokens streams its weights once per 16 rows (rare under uniform
     # routing: ~8 rows per expert at GLM5.2 B = 32). Not the sm_120a shared-expert variants: the shared items'
-    # 52 KB (`SH_BYTES`) exceed the ~47 KB a CTA gets there at two per SM.
+    # 59 KB (`SH_BYTES`) exceed the ~47 KB a CTA gets there at two per SM.
     small = v.capacity <= SMALL_CAPACITY and not (v.shared and self.qmma)
     self.nt_max = 2 if small else NT_MAX
     self.ctas = 2 if small else 1
@@ -944,7 +944,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # Items, in an order where every wait is for earlier items (so, with the whole grid resident, no CTA waits on
     # an item a waiting CTA holds): GEMM1 tiles (n1), the shared expert's GEMM1 column blocks (n_s1), GEMM2 tiles
     # (n2, each after its expert's GEMM1 tiles), the shared expert's GEMM2 column blocks (n_s2, each after its
-    # token's GEMM1 blocks).
+    # token group's GEMM1 blocks).
     n1 = n_hit * self.j1
     n2 = n_hit * (0 if cutlass.const_expr(self.ablation == "nogemm2") else self.j2)
     n_s1 = Int32(0)
@@ -1162,7 +1162,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   @cute.jit
   def _shared_dispatch(self, nt: Int32, t0: Int32, pw: Int64, psc: Int64, n: cutlass.Constexpr,
                        k: cutlass.Constexpr, row0: Int32, ah: Int64, al: Int64, ae: Int64, sb: Int32):
-    """`_shared_core` unrolled for the fewest tokens of `SH_CORES` that hold the group's ``nt``."""
+    """`_shared_core` unrolled for the fewest tokens of 1, 2, 4 (up to `SH_TOKENS`) that hold the group's ``nt``."""
     if nt == 1:
       self._shared_core(1, nt, t0, pw, psc, n, k, row0, ah, al, ae, sb)
     elif nt == 2:
@@ -1208,7 +1208,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       cute.arch.sync_threads()
       self._sh_compute(tbc, s, buf, k, sb)
       cute.arch.sync_threads()
-    self._sh_accumulate(tbc, n_steps - 1, k, sb)
+    self._sh_accumulate(tbc, Int32(n_steps - 1), k, sb)
     cute.arch.sync_threads()
 
   @cute.jit
@@ -1315,10 +1315,11 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         for lb in cutlass.range_constexpr(SH_STEP):
           p = _lds(sb + SH_P + ((lb * SH_TOKENS + tok) * SH_ROWS + row) * 4)
           if cutlass.const_expr(lb >= 4 and (k // v1.K32) % SH_STEP != 0):
-            # The last step of a K of an odd number of K128 tiles has 4 blocks: adding +0 leaves acc as it is
-            # (an ftz sum is never -0 or subnormal).
-            p = cutlass.select_(s * SH_STEP + lb < k // v1.K32, p, Int32(0))
-          acc = v1._fadd(acc, p)
+            # The last step of a K of an odd number of K128 tiles has 4 blocks (acc kept as it is: adding +0 would
+            # turn an ftz-flushed -0 into +0).
+            acc = cutlass.select_(s * SH_STEP + lb < k // v1.K32, v1._fadd(acc, p), acc)
+          else:
+            acc = v1._fadd(acc, p)
         _sts(a, acc)
 
   @cute.jit
@@ -1406,8 +1407,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
             wsb: Int64, c_bits: Int32, cur: Int32, ctl: Int32, pipe: Int32, tmap: Int64):
     """One GEMM1 (g2 False) or GEMM2 item: the expert's rows in passes of up to 8 `nt_max` rows (`_chunk`), each
     pass in the body of the fewest n-tiles that hold its rows (1, 2, 3, 4, 6 or 8: the 3 and 6 bodies spare a
-    quarter of the MMAs and epilogue of passes of 17-24 and 33-48 rows, the usual ones at B = 64 and 128; not in
-    the SM120 shared-expert variants, `odd_bodies`)."""
+    quarter of the MMAs and epilogue of passes of 17-24 and 33-48 rows, the usual ones at B = 64 and 128;
+    `odd_bodies`)."""
     for n0 in range(0, count, 8 * self.nt_max):
       rem = cutlass.min(count - n0, 8 * self.nt_max)
       if rem <= 8:
