@@ -306,10 +306,15 @@ def _block_p_fp8(xs, words, ex, ew, xnan) -> Int32:
       shh = shh + xh * wh
       sx = sx + (xh * wl + xl * wh)
       sll = sll + xl * wl
+  return cutlass.select_(xnan != 0, Int32(F32_QNAN), _fp8_block_p(shh, sx, sll, ex + ew))
+
+
+def _fp8_block_p(shh, sx, sll, e) -> Int32:
+  """float32 bits of an FP8 x FP8 block's contribution from its exact split dots (hi hi, hi lo + lo hi, lo lo) and
+  its exponent e: the oracle's three rounded partial sums, then the scale (`reference` module doc)."""
   p = _fadd(_fmul(_i2f(shh), FP8_PART_BITS[0]), _fmul(_i2f(sx), FP8_PART_BITS[1]))
   p = _fadd(p, _fmul(_i2f(sll), FP8_PART_BITS[2]))
-  p = _scale_pow2(p, ex + ew)
-  return cutlass.select_(xnan != 0, Int32(F32_QNAN), p)
+  return _scale_pow2(p, e)
 
 
 def _quantize_block(vals, blk, sAct, sExp, sNan) -> None:

@@ -1162,19 +1162,13 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   @cute.jit
   def _shared_dispatch(self, nt: Int32, t0: Int32, pw: Int64, psc: Int64, n: cutlass.Constexpr,
                        k: cutlass.Constexpr, row0: Int32, ah: Int64, al: Int64, ae: Int64, sb: Int32):
-    """`_shared_core` unrolled for the fewest tokens of 1, 2, 4 (up to `SH_TOKENS`) that hold the group's ``nt``."""
+    """`_shared_core` unrolled for 1, 2 or `SH_TOKENS` tokens, the fewest that hold the group's ``nt``."""
     if nt == 1:
       self._shared_core(1, nt, t0, pw, psc, n, k, row0, ah, al, ae, sb)
     elif nt == 2:
       self._shared_core(2, nt, t0, pw, psc, n, k, row0, ah, al, ae, sb)
     else:
-      if cutlass.const_expr(SH_TOKENS == 4):
-        self._shared_core(4, nt, t0, pw, psc, n, k, row0, ah, al, ae, sb)
-      else:
-        if nt <= 4:
-          self._shared_core(4, nt, t0, pw, psc, n, k, row0, ah, al, ae, sb)
-        else:
-          self._shared_core(8, nt, t0, pw, psc, n, k, row0, ah, al, ae, sb)
+      self._shared_core(SH_TOKENS, nt, t0, pw, psc, n, k, row0, ah, al, ae, sb)
 
   @cute.jit
   def _shared_core(self, tbc: cutlass.Constexpr, nt: Int32, t0: Int32, pw: Int64, psc: Int64, n: cutlass.Constexpr,
@@ -1295,10 +1289,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
                 sll[t] = sll[t] + xl[i] * wl
         for t in cutlass.range_constexpr(tbc):
           ex = _lds(sb + SH_XE + ((buf * SH_TOKENS + t) * SH_STEP + lb) * 4)
-          p = v1._fadd(v1._fmul(v1._i2f(shh[t]), v1.FP8_PART_BITS[0]),
-                       v1._fmul(v1._i2f(shl[t] + slh[t]), v1.FP8_PART_BITS[1]))
-          p = v1._fadd(p, v1._fmul(v1._i2f(sll[t]), v1.FP8_PART_BITS[2]))
-          p = v1._scale_pow2(p, ex + ew)
+          p = v1._fp8_block_p(shh[t], shl[t] + slh[t], sll[t], ex + ew)
           p = cutlass.select_(ex == abi.SHARED_NAN_EXP, Int32(v1.F32_QNAN), p)
           _sts(sb + SH_P + ((lb * SH_TOKENS + t) * SH_ROWS + row) * 4, p)
 
