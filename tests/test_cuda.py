@@ -68,6 +68,15 @@ def test_matches_the_oracle_on_every_case_family(family, shared):
     np.testing.assert_array_equal(np.asarray(y).view(np.uint16), np.asarray(y_jit).view(np.uint16))
 
 
+def test_a_shared_expert_of_an_odd_number_of_k128_tiles_matches_the_oracle():
+  """Is = 384: the shared GEMM2's last K step holds one K128 tile, so half its block slots are skipped."""
+  p = make_problem("default", dataclasses.replace(SMALL_GPU, shared_intermediate=384, shared_group=128), seed=8)
+  x, w, r = quantized(p)
+  y = gm.moe(x, w, r, clamp=p.shape.clamp, backend="cuda")
+  want = emulated(x, w, r.ids, r.weights, clamp=p.shape.clamp)
+  assert _compare("shared Is=384", y, want) == 1.0
+
+
 def test_nan_activation_poisons_only_its_token():
   x, w, r = quantized(make_problem("default", SMALL_GPU, seed=3))
   y = np.asarray(gm.moe(x.at[5, 7].set(jnp.nan), w, r, backend="cuda"), np.float32)

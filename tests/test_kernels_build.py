@@ -293,7 +293,7 @@ def test_shared_expert_variant_compiles(cache):
   assert all(roles[r]["local_bytes"] == 0 and roles[r]["spill_bytes"] == 0 for r in (1, 3))
   ptx = _ptx(meta, 2)
   assert "min.NaN.f32" in ptx  # SwiGLU
-  # The shared items' table-free E4M3 decode (an FMA that keeps subnormals) and their cp.async double buffer.
+  # The shared items' digit table (filled by an FMA that keeps subnormals) and their cp.async double buffer.
   assert re.search(r"fma\.rn\.f32\s", ptx) and "cp.async.ca.shared.global" in ptx
   # Since the shared expert left v1's SIMT math these variants take their items from the queue too.
   assert "atom.relaxed.gpu.global.add.u32" in ptx

@@ -231,12 +231,126 @@ def test_shared_weight_decode_splits_every_e4m3_byte_in_every_position():
         assert _e4m3_hl(word, i) == want, f"byte {code:#04x} at position {i} of {word:#010x}"
 
 
-def test_shared_block_dots_fit_int32():
-  """The four split dots of an FP8 x FP8 K32 block (hi hi, hi lo, lo hi, lo lo; hi lo + lo hi summed) cannot leave
-  int32 at the extreme values."""
-  hi = int(np.abs(E4M3_INTS).max()) // 64  # 8 * 448
-  lo = int(np.abs(E4M3_INTS[np.abs(E4M3_INTS) < 512]).max())  # 512 * 0.9375
-  assert 32 * hi * hi < 2**31 and 2 * 32 * hi * lo < 2**31 and 32 * lo * lo < 2**31
+def _signed_digits(v: int) -> tuple[int, int]:
+  """`roles_v2._digits`: v = 64 d1 + d0, both digits carrying the sign of v."""
+  m = abs(v)
+  sgn = -1 if v < 0 else 1
+  return sgn * (m >> 6), sgn * (m & 63)
+
+
+def _digit_table() -> list[int]:
+  """`roles_v2._digit_entry` of every byte (the decode table `SH_TAB`), from the emulated `_e4m3_hl`."""
+  out = []
+  for code in range(256):
+    h, lo = _e4m3_hl(code, 0)
+    d = _signed_digits(h) + _signed_digits(lo)
+    out.append(sum((x & 0xFF) << (8 * i) for i, x in enumerate(d)))
+  return out
+
+
+def _s8(byte: int) -> int:
+  return byte - 256 if byte >= 128 else byte
+
+
+def test_shared_digit_table_gives_hi_and_lo_of_every_e4m3_byte():
+  """Each finite E4M3 byte's table word holds signed digits H1, H0, L1, L0 with 64 H1 + H0 = hi and 64 L1 + L0 = lo
+  (`reference._e4m3_split` of 512 v), within the bounds the chain sums below assume."""
+  values = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64) * 512
+  for code, word in enumerate(_digit_table()):
+    if not np.isfinite(values[code]):
+      continue
+    n = int(values[code])
+    want = (n // 64, 0) if abs(n) >= 512 else (0, n)
+    h1, h0, l1, l0 = (_s8((word >> (8 * i)) & 0xFF) for i in range(4))
+    assert (64 * h1 + h0, 64 * l1 + l0) == want, f"byte {code:#04x}"
+    assert abs(h1) <= 56 and abs(h0) <= 63 and abs(l1) <= 7 and abs(l0) <= 63
+    assert h1 * l1 == 0 and h0 * l0 == 0  # one of hi, lo is 0, so F = H | L bytewise
+
+
+def test_shared_digit_decode_transposes_four_bytes_into_planes():
+  """`roles_v2._e4m3_digits`: four table words, then eight prmt, give plane p's byte i = digit p of byte i."""
+  table = _digit_table()
+  rng = np.random.default_rng(5)
+  for w in rng.integers(0, 2**32, 2000, dtype=np.int64):
+    w = int(w)
+    t = [table[(w >> (8 * i)) & 0xFF] for i in range(4)]
+    u0, u1 = _prmt(t[0], t[1], 0x5140), _prmt(t[0], t[1], 0x7362)
+    w0, w1 = _prmt(t[2], t[3], 0x5140), _prmt(t[2], t[3], 0x7362)
+    planes = (_prmt(u0, w0, 0x5410), _prmt(u0, w0, 0x7632), _prmt(u1, w1, 0x5410), _prmt(u1, w1, 0x7632))
+    for p in range(4):
+      for i in range(4):
+        assert (planes[p] >> (8 * i)) & 0xFF == (t[i] >> (8 * p)) & 0xFF
+    # the table offsets the kernel ORs into the 1024-aligned table base
+    offs = [(w << 2) & 0x3FC, (w >> 6) & 0x3FC, (w >> 14) & 0x3FC, (w >> 22) & 0x3FC]
+    assert offs == [4 * ((w >> (8 * i)) & 0xFF) for i in range(4)]
+  assert r2.SH_TAB % 1024 == 0 and r2.SH_TAB + 1024 <= r2.SH_W
+
+
+def _f32(v: float) -> np.float32:
+  return np.float32(v)  # one rounding of an exact float64 value
+
+
+def _sh_block_p(wb: np.ndarray, xb: np.ndarray) -> np.float32:
+  """`roles_v2.RoleKernelsV2._sh_compute`'s p of one K32 block (before the scaling), emulated: the nine digit chains
+  through int32 with the magic starts, the float32 conversions and the FMAs."""
+  table = _digit_table()
+  dw = np.array([[_s8((table[b] >> (8 * p)) & 0xFF) for p in range(4)] for b in wb], np.int64)  # [32, 4]
+  dx = np.array([[_s8((table[b] >> (8 * p)) & 0xFF) for p in range(4)] for b in xb], np.int64)
+  h1w, h0w, l1w, l0w = dw.T
+  h1x, h0x, l1x, l0x = dx.T
+  f1w, f0w, f1x, f0x = h1w + l1w, h0w + l0w, h1x + l1x, h0x + l0x
+  u32 = lambda v: v & 0xFFFFFFFF  # noqa: E731
+  magic = r2.MAGIC
+  c = [u32(magic + int(v)) for v in (h1w @ h1x, h1w @ h0x + h0w @ h1x, h0w @ h0x)]
+  d = [u32(magic + int(v)) for v in (l1w @ l1x, l1w @ l0x + l0w @ l1x, l0w @ l0x)]
+  ff = (f1w @ f1x, f1w @ f0x + f0w @ f1x, f0w @ f0x)
+  e = [u32(u32(r2.MAGIC3) - c[i] - d[i] + int(ff[i])) for i in range(3)]
+  for chain in c + d + e:  # every chain ends at the float32 bits of 1.5 2**23 + S, |S| < 2**22
+    assert abs(chain - magic) < 2**22
+
+  def f32_of(chains):
+    f = [float(np.array([v], np.uint32).view(np.float32)[0]) - 1.5 * 2**23 for v in chains]
+    inner = f[0] * 64 + f[1]
+    assert abs(inner) < 2**24  # exact
+    return _f32(inner * 64 + f[2])
+
+  fhh, fhx, fll = f32_of(c), f32_of(e), f32_of(d)
+  q = _f32(float(fhh) * 2.0**-6 + float(_f32(float(fhx) * 2.0**-12)))
+  return _f32(float(fll) * 2.0**-18 + float(q))
+
+
+def _oracle_block_p(wb: np.ndarray, xb: np.ndarray) -> np.float32:
+  """`reference._gemm`'s FP8 x FP8 p of one block (before the scaling), in float32 as the oracle computes it."""
+  wv = np.asarray(wb, np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64) * 512
+  xv = np.asarray(xb, np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64) * 512
+  wi, xi = wv.astype(np.int64), xv.astype(np.int64)
+  split = lambda n: (np.where(np.abs(n) >= 512, n // 64, 0), np.where(np.abs(n) >= 512, 0, n))  # noqa: E731
+  wh, wl = split(wi)
+  xh, xl = split(xi)
+  shh = np.float32(np.sum(xh * wh))
+  sx = np.float32(np.sum(xh * wl + xl * wh))
+  sll = np.float32(np.sum(xl * wl))
+  return (shh * np.float32(2.0**-6) + sx * np.float32(2.0**-12)) + sll * np.float32(2.0**-18)
+
+
+def test_shared_tensor_core_block_dots_equal_the_oracle():
+  """The twelve-MMA form of an FP8 x FP8 block gives the oracle's p bit for bit: random blocks of every magnitude mix
+  (all hi, all lo, subnormals, mixed signs) and the extreme blocks; every nonzero p lies in the fast path's window."""
+  codes = np.array([c for c in range(256) if np.isfinite(np.uint8(c).view(ml_dtypes.float8_e4m3fn).astype(float))],
+                   np.int64)
+  small = codes[np.abs(np.uint8(codes).view(ml_dtypes.float8_e4m3fn).astype(float)) < 1]
+  big = codes[np.abs(np.uint8(codes).view(ml_dtypes.float8_e4m3fn).astype(float)) >= 1]
+  rng = np.random.default_rng(11)
+  cases = [(np.full(32, 0x7E), np.full(32, 0x7E)), (np.full(32, 0x7E), np.full(32, 0xFE)),  # +-448 everywhere
+           (np.full(32, 0x37), np.full(32, 0x37)),  # 0.9375: the largest lo
+           (np.full(32, 0x7E), np.full(32, 0x37))]
+  for _ in range(400):
+    pools = [codes, small, big, rng.choice(codes, 4)]
+    cases.append((rng.choice(pools[rng.integers(4)], 32), rng.choice(pools[rng.integers(4)], 32)))
+  for wb, xb in cases:
+    got, want = _sh_block_p(wb, xb), _oracle_block_p(wb, xb)
+    assert got.view(np.uint32) == want.view(np.uint32), (wb, xb, got, want)
+    assert got == 0 or 2.0**-18 <= abs(float(got)) < 2.0**23
 
 
 def test_shared_expert_smem_fits_the_pipeline_area_and_sm120():
@@ -250,3 +364,5 @@ def test_shared_expert_smem_fits_the_pipeline_area_and_sm120():
       assert kern.shared_smem == r2.SH_BYTES <= kern.pipe_bytes or arch != "sm_90a"
       assert kern.dynamic_smem(2) >= kern.pipe + r2.SH_BYTES
   assert r2.SH_ACC + r2.SH_TOKENS * r2.SH_ROWS * 4 == r2.SH_BYTES
+  assert r2.SH_X_STRIDE % 16 == 0 and (r2.SH_X_STRIDE // 4) % 32 == 8  # cp.async chunks; conflict-free B loads
+  assert (2 * r2.SH_P_ROWS) % 32 == 8  # the C fragments' stores: 8 t4 + g covers the banks

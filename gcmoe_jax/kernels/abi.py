@@ -81,6 +81,7 @@ NAN_WORD = 0x7FFFFFFF  # exponent word of a block that held a NaN/Inf (not a mul
 # Block exponent word of the shared expert's operands (`Workspace.sxe`, ``sae``) for a block that held a NaN/Inf
 # (UE8M0 exponents lie in [-127, 127]).
 SHARED_NAN_EXP = 1 << 30
+SHARED_PLANES = 4  # the shared expert's digit planes H1, H0, L1, L0 (`Workspace.sxp`)
 FAST_EXP = (-63, 35)  # e - 10 of every block of a row in this range (and no NaN): the row may take the fast path
 # error_counter of a role-2 wait, by what was awaited (low bits: the expert id where there is one).
 WAIT_READY, WAIT_GEMM1, WAIT_XQ, WAIT_SHARED = 0, 0x10000, 0x20000, 0x30000
@@ -142,15 +143,14 @@ class Workspace:
   xsf: int  # u8 [capacity, H / 32]
   asf: int  # u8 [capacity * k, I / 32]
   # The shared expert's operands (v2 with a shared expert), MXFP8 split as its FP8 x FP8 block dots use them
-  # (`reference` module doc): ``8 v`` where |v| >= 1 else 0 (hi), ``512 v`` where |v| < 1 else 0 (lo), int32 per
-  # element, and per K32 block its exponent e, or `SHARED_NAN_EXP` for a block that held a NaN/Inf. x is written by
-  # role 2's first phase, the requantized SwiGLU output by the shared GEMM1 items; the GEMM items copy both into SMEM
-  # as they are.
-  sxh: int  # i32 [capacity, H]
-  sxl: int  # i32 [capacity, H]
+  # (`reference` module doc): ``8 v`` where |v| >= 1 else 0 (hi), ``512 v`` where |v| < 1 else 0 (lo), as the
+  # `SHARED_PLANES` signed 6-bit digit planes H1, H0, L1, L0 of a K32 block (hi = 64 H1 + H0, lo = 64 L1 + L0, 32
+  # bytes each), and per K32 block its exponent e, or `SHARED_NAN_EXP` for a block that held a NaN/Inf. x is
+  # written by role 2's first phase, the requantized SwiGLU output by the shared GEMM1 items; the GEMM items copy
+  # both into SMEM as they are.
+  sxp: int  # int8 [capacity, H / 32, 4, 32]
   sxe: int  # i32 [capacity, H / 32]
-  sah: int  # i32 [capacity, Is]
-  sal: int  # i32 [capacity, Is]
+  sap: int  # int8 [capacity, Is / 32, 4, 32]
   sae: int  # i32 [capacity, Is / 32]
   # The fused transport (ranks R > 1; 0 bytes otherwise). A row of the R C global tokens g = p C + t (rank p's
   # token t) and a global assignment g k + j index the receive side: ``rows``, ``aplanes``..``asf`` then hold
@@ -182,7 +182,7 @@ class Workspace:
 
 def counter_words(experts: int, capacity: int, shared: bool, ranks: int = 1, relay: bool = False) -> int:
   """Words of one parity of the v2 ``counters`` section: E experts, the x-quantization count, with a shared
-  expert one per token (its token groups use the first ceil(T / 4)), with R > 1 ranks two more (`fused_counters`),
+  expert one per token (its token groups use the first ceil(T / 8)), with R > 1 ranks two more (`fused_counters`),
   on the relay return path one per expert (its GEMM2 items done, `relay_counters`), and last role 2's item queue
   (`queue_counter`)."""
   return queue_counter(experts, capacity, shared, ranks, relay) + 1
@@ -245,11 +245,9 @@ def workspace_layout(experts: int, capacity: int, top_k: int, hidden: int, share
                      ("counters", 2 * 4 * counter_words(experts, capacity, shared, ranks, relay) if v2 else 0),
                      ("xsf", capacity * (hidden // 32) if v2 else 0),
                      ("asf", rcap * top_k * (intermediate // 32) if v2 else 0),
-                     ("sxh", 4 * capacity * hidden if v2 and shared else 0),
-                     ("sxl", 4 * capacity * hidden if v2 and shared else 0),
+                     ("sxp", SHARED_PLANES * capacity * hidden if v2 and shared else 0),
                      ("sxe", 4 * capacity * (hidden // 32) if v2 and shared else 0),
-                     ("sah", 4 * capacity * shared_intermediate if v2 and shared else 0),
-                     ("sal", 4 * capacity * shared_intermediate if v2 and shared else 0),
+                     ("sap", SHARED_PLANES * capacity * shared_intermediate if v2 and shared else 0),
                      ("sae", 4 * capacity * (shared_intermediate // 32) if v2 and shared else 0),
                      ("pub_ids", 2 * 4 * capacity * top_k if fused else 0),
                      ("pub_rw", 2 * 4 * capacity * top_k if fused else 0),

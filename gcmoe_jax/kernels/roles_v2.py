@@ -38,15 +38,17 @@ latencies better where the work per stage is small).
 2. GEMM2 items (h, j), j < H/128, after all GEMM1 items (and the shared expert's GEMM1 items): W2 rows
    128 j.. (output columns), the same mainloop over K = I with the B operand from ``aplanes`` (gathered by
    assignment), after waiting for ``counters[par][e] == 2I/128``; o_j = bf16(acc) to ``arena``.
-3. Shared-expert items (`_shared_core`), SIMT and exact, over token groups of up to `SH_TOKENS`: GEMM1 items
-   (group, 32 activation columns: 64 W13 rows against the group's x, which phase 0 also stores split into hi and lo
-   int32 parts, ``sxh``/``sxl``/``sxe``; SwiGLU; that K32 block of each token requantized into ``sah``/``sal``/
-   ``sae``; then the group's counter += 1, release), placed after the routed GEMM1 items; GEMM2 items (group, 64
-   output columns: wait until the group's counter reaches its GEMM1 item count, then 64 W2 rows) last. An item
-   streams K in steps of 8 K32 blocks through a cp.async double buffer: a lane per weight row decodes each E4M3
-   byte once for the group (`_e4m3_hl`) and forms the four int32 split dots of each token (one IMAD each per
-   element), the blocks' contributions go through SMEM, and a thread per (token, row) adds them in K order. Every
-   wait is for earlier items, so with the whole grid resident no CTA waits on an item a waiting CTA holds.
+3. Shared-expert items (`_shared_core`), exact, on the int8 tensor cores, over token groups of up to `SH_TOKENS`:
+   GEMM1 items (group, 32 activation columns: 64 W13 rows against the group's x, which phase 0 also stores as
+   the digit planes of its hi and lo parts, ``sxp``/``sxe``; SwiGLU; that K32 block of each token requantized
+   into ``sap``/``sae``; then the group's counter += 1, release), placed after the routed GEMM1 items; GEMM2 items
+   (group, 64 output columns: wait until the group's counter reaches its GEMM1 item count, then 64 W2 rows) last.
+   An item streams K in steps of 8 K32 blocks through a cp.async double buffer: a warp per (m16 tile of the rows,
+   K128 tile of the step) decodes its E4M3 weight bytes into digit planes by a 256-word SMEM table and prmt
+   (`_e4m3_digits`), forms each block's three split dots from twelve int8 MMAs against the group's 8 tokens
+   (`_sh_compute`), the blocks' contributions go through SMEM, and a thread per (token, row) adds them in K
+   order. Every wait is for earlier items, so with the whole grid resident no CTA waits on an item a waiting CTA
+   holds.
 
 Every wait is bounded as in v1 (``header.timeout_ns``); a timeout records (role 2, block, epoch, counter =
 `abi.WAIT_*` + expert, observed) and the CTA stops taking items. Counters are double-buffered by call parity
@@ -154,20 +156,32 @@ PLANE_COLUMNS = (0, 1, 0, 1, 2, 2, 2, 2)
 PAIR_SLOT_COLUMNS = (0, 0, 1, 1, 0, 0, 1, 1)
 assert all(PLANE_COLUMNS[n] == (2 if n >= 4 else n & 1) and PAIR_SLOT_COLUMNS[n] == (n >> 1) & 1 for n in range(8))
 # The shared expert (`RoleKernelsV2._shared_core`): items of `SH_ROWS` weight rows x a group of up to `SH_TOKENS`
-# tokens, K streamed in steps of `SH_STEP` K32 blocks (warp w: rows 32 (w & 1).., K128 tile (w >> 1) & 1 of the
-# step, its K32 blocks 2 (w >> 2) and 2 (w >> 2) + 1; a lane per row), double-buffered by cp.async.
-SH_TOKENS = 4  # 8 (the decode shared by twice the tokens) spilled 992 B at 255 registers
+# tokens (one n-tile of the int8 MMA), K streamed in steps of `SH_STEP` K32 blocks (two K128 tiles; warp w: the m16
+# tile w & 3 of the rows and the K128 tile w >> 2 of the step), double-buffered by cp.async. The FP8 x FP8 block
+# dots are exact int8 MMAs over signed 6-bit digits (`SH_PLANES`; `_sh_compute`).
+SH_TOKENS = 8
 SH_ROWS = 64
 SH_STEP = 8
-SH_LANE = 64  # weight bytes per lane and step (two K32 blocks of its row)
-SH_W = 0  # [2][8 warps][32 lanes][64 B], 16 B chunk c of a lane at c ^ ((lane >> 1) & 3): conflict-free lds.v4
-SH_S = SH_W + 2 * WARPS * 32 * SH_LANE  # [2][8][32] scale words
-SH_XH = SH_S + 2 * WARPS * 32 * 4  # [2][SH_TOKENS][256] i32: the step's hi activations
-SH_XL = SH_XH + 2 * SH_TOKENS * SH_STEP * 32 * 4  # lo
-SH_XE = SH_XL + 2 * SH_TOKENS * SH_STEP * 32 * 4  # [2][SH_TOKENS][8] block exponents
-SH_P = SH_XE + 2 * SH_TOKENS * SH_STEP * 4  # [8][SH_TOKENS][64] f32: the step's block contributions
-SH_ACC = SH_P + SH_STEP * SH_TOKENS * SH_ROWS * 4  # [SH_TOKENS][64] f32 accumulators
+SH_PLANES = abi.SHARED_PLANES  # hi = 64 H1 + H0 and lo = 64 L1 + L0, each digit carrying the value's sign
+SH_BLOCK = SH_PLANES * 32  # bytes of one (token, K32 block) of digit planes
+SH_TAB = 0  # [256] u32: E4M3 byte -> its four digits (H1, H0, L1, L0); 1024-aligned, so `_e4m3_digits` ORs it in
+SH_W = 1024  # [2][2 tiles][64 rows][128 B], 16 B chunk c of row r at c ^ ((r & 3) << 1): conflict-free lds.64
+SH_S = SH_W + 2 * 2 * SH_ROWS * v1.K128  # [2][2][64] scale words
+SH_X_STRIDE = SH_STEP * SH_BLOCK + 32  # bytes per token and step: 8 words mod 32 banks, so B loads miss no bank twice
+SH_X = SH_S + 2 * 2 * SH_ROWS * 4  # [2][SH_TOKENS][SH_X_STRIDE]: the step's digit planes
+SH_XE = SH_X + 2 * SH_TOKENS * SH_X_STRIDE  # [2][SH_TOKENS][8] block exponents
+SH_P_ROWS = SH_ROWS + 4  # f32 per (block, token) row of `SH_P`: the C fragments' stores hit 32 banks
+SH_P = SH_XE + 2 * SH_TOKENS * SH_STEP * 4  # [8][SH_TOKENS][SH_P_ROWS] f32: the step's block contributions
+SH_ACC = SH_P + SH_STEP * SH_TOKENS * SH_P_ROWS * 4  # [SH_TOKENS][64] f32 accumulators
 SH_BYTES = SH_ACC + SH_TOKENS * SH_ROWS * 4
+# The shared block dots' magic conversions (`_sh_compute`): every digit chain's sum is below 2**22 in magnitude, so
+# an MMA chain started at MAGIC ends at the float32 bits of 1.5 2**23 + S; the hi x lo chains start at 3 MAGIC less
+# the hi x hi and lo x lo chains' ends and sum F x F, F = hi + lo, so they end at MAGIC + (Shl + Slh).
+MAGIC3 = v1._i32((3 * MAGIC) & 0xFFFFFFFF)
+F32_64 = v1._f32_bits(64.0)
+# Block exponents e = ex + ew in this range take one multiplication by 2**e (`_sh_compute`): |p| is 0 or in
+# [2**-18, 2**23), so p 2**(e // 2) and p 2**e are normal and both of the semantics' multiplications exact.
+SH_FAST_EXP = 100
 # E4M3 byte -> 512 v without a table (`_e4m3_hl`): its 7 exponent/mantissa bits at float32 bits 20-26 and the sign at
 # 31 are the float32 v 2**-120 (E4M3 subnormals become float32 subnormals), and fma(f, 2**127, 1.5 2**21) adds
 # 128 v exactly to a magic number whose ulp is 2**-2, so the bits minus the magic are 512 v.
@@ -348,7 +362,8 @@ def _e4m3_code(n) -> Int32:
 
 def _e4m3_hl(word, i: int) -> tuple[Int32, Int32]:
   """The E4M3 byte i of ``word`` (a finite weight v) as the shared expert's split (`roles_v1._split`): ``8 v`` if
-  |v| >= 1 else 0, and ``512 v`` if |v| < 1 else 0 (`MAGIC_FP8`; 9 instructions where the branchy decode took ~16)."""
+  |v| >= 1 else 0, and ``512 v`` if |v| < 1 else 0 (`MAGIC_FP8`; each role-2 CTA fills the digit table `SH_TAB`
+  with it)."""
   if i == 3:
     sgn = word & v1._i32(0x80000000)
     em = (word >> 4) & 0x07F00000
@@ -358,6 +373,47 @@ def _e4m3_hl(word, i: int) -> tuple[Int32, Int32]:
   n = v1._float_op("fma.rn.f32", sgn | em, Int32(F32_2P127), Int32(MAGIC_FP8)) - MAGIC_FP8
   h = cutlass.select_(em >= E4M3_EM_ONE, n >> v1.E4M3_HI_SHIFT, Int32(0))
   return h, n - (h << v1.E4M3_HI_SHIFT)
+
+
+def _digits(v) -> tuple[Int32, Int32]:
+  """``v`` (|v| < 2**12) as two signed 6-bit digits (d1, d0), v = 64 d1 + d0, both carrying the sign of v."""
+  neg = v < 0
+  m = cutlass.select_(neg, -v, v)
+  d1 = m >> abi.DIGIT_BITS
+  d0 = m & ((1 << abi.DIGIT_BITS) - 1)
+  return cutlass.select_(neg, -d1, d1), cutlass.select_(neg, -d0, d0)
+
+
+def _digit_entry(code) -> Int32:
+  """The decode table's word for E4M3 byte ``code`` (`SH_TAB`): bytes H1, H0, L1, L0 of its hi and lo parts."""
+  h, lw = _e4m3_hl(code, 0)
+  h1, h0 = _digits(h)
+  l1, l0 = _digits(lw)
+  return (h1 & 0xFF) | ((h0 & 0xFF) << 8) | ((l1 & 0xFF) << 16) | (l0 << 24)
+
+
+def _e4m3_digits(word, tab) -> tuple[Int32, Int32, Int32, Int32]:
+  """The four E4M3 weight bytes of ``word`` as the digit-plane words (H1, H0, L1, L0): byte i of each is that digit
+  of byte i. Four table loads (``tab`` is 1024-aligned, so the byte offset is ORed in), then a 4 x 4 byte transpose
+  by eight prmt."""
+  t = [_lds(tab | ((word << 2) & 0x3FC)), _lds(tab | ((word >> 6) & 0x3FC)), _lds(tab | ((word >> 14) & 0x3FC)),
+       _lds(tab | ((word >> 22) & 0x3FC))]
+  u0 = _prmt(t[0], t[1], Int32(0x5140))  # (t0.b0, t1.b0, t0.b1, t1.b1)
+  u1 = _prmt(t[0], t[1], Int32(0x7362))  # (t0.b2, t1.b2, t0.b3, t1.b3)
+  w0 = _prmt(t[2], t[3], Int32(0x5140))
+  w1 = _prmt(t[2], t[3], Int32(0x7362))
+  return (_prmt(u0, w0, Int32(0x5410)), _prmt(u0, w0, Int32(0x7632)), _prmt(u1, w1, Int32(0x5410)),
+          _prmt(u1, w1, Int32(0x7632)))
+
+
+def _sh_chain_f32(s1, s2, s3) -> Int32:
+  """f32 (RN) of S = 4096 S1 + 64 S2 + S3 from three digit chains that each end at the float32 bits of MAGIC + S_i
+  (|S_i| < 2**22; `RoleKernelsV2._sh_compute`): 64 f32(S1) + f32(S2) is exact (below 2**24), so the last FMA rounds
+  S once."""
+  f1 = v1._fadd(s1, MAGIC_NEG)
+  f2 = v1._fadd(s2, MAGIC_NEG)
+  f3 = v1._fadd(s3, MAGIC_NEG)
+  return _fma(_fma(f1, F32_64, f2), F32_64, f3)
 
 
 def _lds4(addr):
@@ -534,7 +590,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # each other's latencies; the others run 64-row passes (239-254 registers with the shared expert). At
     # capacity 32 an expert hit by more than 16 tokens streams its weights once per 16 rows (rare under uniform
     # routing: ~8 rows per expert at GLM5.2 B = 32). Not the sm_120a shared-expert variants: the shared items'
-    # 59 KB (`SH_BYTES`) exceed the ~47 KB a CTA gets there at two per SM.
+    # 70 KB (`SH_BYTES`) exceed the ~47 KB a CTA gets there at two per SM.
     small = v.capacity <= SMALL_CAPACITY and not (v.shared and self.qmma)
     self.nt_max = 2 if small else NT_MAX
     self.ctas = 2 if small else 1
@@ -890,8 +946,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
                                       wsb + ws.xexp + Int64(q) * 4, wsb + ws.xflag + Int64(t) * 4,
                                       wsb + ws.xsf + Int64(q), cur)
       if cutlass.const_expr(v.shared):
-        self._store_split(n, e, bad, lane, wsb + ws.sxh + Int64(q) * (v1.K32 * 4),
-                          wsb + ws.sxl + Int64(q) * (v1.K32 * 4), wsb + ws.sxe + Int64(q) * 4)
+        self._store_digits(n, e, bad, lane, wsb + ws.sxp + Int64(q) * SH_BLOCK, wsb + ws.sxe + Int64(q) * 4)
     if cutlass.const_expr(self.fused):
       # This call's routes and T for the peers' role 1, by parity (a peer may still read the previous call's).
       pub = Int64(par) * (v.capacity * v.top_k)
@@ -1091,13 +1146,13 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     return item
 
   @cute.jit
-  def _store_split(self, n: Int32, e: Int32, bad: Int32, lane: Int32, hi: Int64, lo: Int64, exp: Int64):
-    """One K32 block of a shared-expert operand, a lane per element (``n`` = 512 v): its hi and lo parts
-    (`roles_v1._split`) at ``hi``/``lo`` + 4 lane, its exponent word (`abi.SHARED_NAN_EXP` for a NaN block) at
-    ``exp`` (`abi.Workspace.sxh`)."""
+  def _store_digits(self, n: Int32, e: Int32, bad: Int32, lane: Int32, planes: Int64, exp: Int64):
+    """One K32 block of a shared-expert operand, a lane per element (``n`` = 512 v): the digits H1, H0, L1, L0 of
+    its hi and lo parts (`roles_v1._split`) in planes 0-3 at ``planes`` + 32 p + lane, its exponent word
+    (`abi.SHARED_NAN_EXP` for a NaN block) at ``exp`` (`abi.Workspace.sxp`)."""
     h, lw = v1._split(n)
-    v1._st(hi + Int64(lane) * 4, h)
-    v1._st(lo + Int64(lane) * 4, lw)
+    for p, d in enumerate(_digits(h) + _digits(lw)):
+      _st_u8(planes + Int64(32 * p) + Int64(lane), d)
     if lane == 0:
       v1._st(exp, cutlass.select_(bad != 0, Int32(abi.SHARED_NAN_EXP), e))
 
@@ -1106,14 +1161,13 @@ class RoleKernelsV2(v1.RoleKernelsV1):
                     sb: Int32, counter: Int64):
     """Shared expert GEMM1, token group tg, activation columns 32 cb..: W13 rows 64 cb.. (gate and up of those
     columns, `formats` interleave) against the group's x (`_shared_core`), SwiGLU, then the K32 block cb of each
-    token's requantized output to ``sah``/``sal``/``sae`` (a warp per token), and the group's counter += 1
-    (release)."""
+    token's requantized output to ``sap``/``sae`` (a warp per token), and the group's counter += 1 (release)."""
     v, ws = self.v, self.ws
     tid, _, _ = cute.arch.thread_idx()
     t0 = tg * SH_TOKENS
     nt = cutlass.min(n_tok - t0, Int32(SH_TOKENS))
     self._shared_dispatch(nt, t0, s13, s13s, 2 * v.shared_intermediate, v.hidden, cb * SH_ROWS,
-                          wsb + ws.sxh, wsb + ws.sxl, wsb + ws.sxe, sb)
+                          wsb + ws.sxp, wsb + ws.sxe, sb)
     col = tid % 32
     tok = tid // 32
     if tok < nt:  # warp-uniform: a warp per token, a lane per column
@@ -1124,8 +1178,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       n, e, bad = self._mx_lane(a << v1.BF16_SHIFT)
       t = Int64(t0 + tok)
       blk = t * self.n_cb + cb
-      self._store_split(n, e, bad, col, wsb + ws.sah + blk * (v1.K32 * 4), wsb + ws.sal + blk * (v1.K32 * 4),
-                        wsb + ws.sae + blk * 4)
+      self._store_digits(n, e, bad, col, wsb + ws.sap + blk * SH_BLOCK, wsb + ws.sae + blk * 4)
     cute.arch.sync_threads()
     if tid == 0:
       cute.arch.fence_acq_rel_gpu()
@@ -1148,7 +1201,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       failed = Int32(1)
     else:
       self._shared_dispatch(nt, t0, s2, s2s, v.hidden, v.shared_intermediate, hb * SH_ROWS,
-                            wsb + ws.sah, wsb + ws.sal, wsb + ws.sae, sb)
+                            wsb + ws.sap, wsb + ws.sae, sb)
       row = tid % SH_ROWS
       for j in cutlass.range_constexpr(SH_TOKENS * SH_ROWS // THREADS):
         tok = tid // SH_ROWS + j * (THREADS // SH_ROWS)
@@ -1161,137 +1214,166 @@ class RoleKernelsV2(v1.RoleKernelsV1):
 
   @cute.jit
   def _shared_dispatch(self, nt: Int32, t0: Int32, pw: Int64, psc: Int64, n: cutlass.Constexpr,
-                       k: cutlass.Constexpr, row0: Int32, ah: Int64, al: Int64, ae: Int64, sb: Int32):
-    """`_shared_core` unrolled for 1, 2 or `SH_TOKENS` tokens, the fewest that hold the group's ``nt``."""
+                       k: cutlass.Constexpr, row0: Int32, ap: Int64, ae: Int64, sb: Int32):
+    """`_shared_core` for one token (its copies and in-order adds of one column) or a group of `SH_TOKENS`."""
     if nt == 1:
-      self._shared_core(1, nt, t0, pw, psc, n, k, row0, ah, al, ae, sb)
-    elif nt == 2:
-      self._shared_core(2, nt, t0, pw, psc, n, k, row0, ah, al, ae, sb)
+      self._shared_core(1, nt, t0, pw, psc, n, k, row0, ap, ae, sb)
     else:
-      self._shared_core(SH_TOKENS, nt, t0, pw, psc, n, k, row0, ah, al, ae, sb)
+      self._shared_core(SH_TOKENS, nt, t0, pw, psc, n, k, row0, ap, ae, sb)
 
   @cute.jit
   def _shared_core(self, tbc: cutlass.Constexpr, nt: Int32, t0: Int32, pw: Int64, psc: Int64, n: cutlass.Constexpr,
-                   k: cutlass.Constexpr, row0: Int32, ah: Int64, al: Int64, ae: Int64, sb: Int32):
+                   k: cutlass.Constexpr, row0: Int32, ap: Int64, ae: Int64, sb: Int32):
     """``acc[t][r] = sum over K32 blocks b in order of p(t, r, b)`` (the FP8 x FP8 block dots of the `reference`
     module doc) for the group's tokens t < tbc (those past ``nt`` read zeros) and weight rows row0 + r, r < 64,
     into SMEM (`SH_ACC`).
 
-    MXFP8 weights ``pw`` [K/128, n, 128] (E4M3) with scales ``psc`` [n, ceil(K / (4 group))]; activations as hi/lo
-    int32 rows of K at ``ah``/``al`` and exponent words at ``ae`` (`abi.Workspace.sxh`). Each step of `SH_STEP` K32
-    blocks: the next step's weights and activations are copied (cp.async) while this one's block dots run, a lane
-    per weight row, each E4M3 byte decoded once for all tbc tokens (`_e4m3_hl`), four exact int32 dots per block
-    (hi hi, hi lo, lo hi, lo lo: one IMAD each per element and token), the block's p to SMEM; then a thread per
-    (token, row) adds the step's p in increasing K (the order the semantics fix, which a split of K across warps
-    would otherwise break)."""
+    MXFP8 weights ``pw`` [K/128, n, 128] (E4M3) with scales ``psc`` [n, ceil(K / (4 group))]; activations as the
+    digit planes at ``ap`` and exponent words at ``ae`` (`abi.Workspace.sxp`). Each step of `SH_STEP` K32 blocks:
+    the next step's weights and activations are copied (cp.async) while this one's block dots run on the tensor
+    cores (`_sh_compute`), the blocks' p to SMEM; then a thread per (token, row) adds the step's p in increasing K
+    (the order the semantics fix, which the split of K across warps would otherwise break)."""
     tid, _, _ = cute.arch.thread_idx()
     k_tiles = k // v1.K128
     n_steps = -(-k_tiles // 2)
     for i in range(tid, SH_TOKENS * SH_ROWS, THREADS):
       _sts(sb + SH_ACC + i * 4, Int32(0))
-    self._sh_issue(tbc, Int32(0), Int32(0), nt, t0, pw, psc, n, k, row0, ah, al, ae, sb)
+    _sts(sb + SH_TAB + tid * 4, _digit_entry(tid))  # 256 threads, 256 codes: read after the first step's barrier
+    self._sh_issue(tbc, Int32(0), Int32(0), nt, t0, pw, psc, n, k, row0, ap, ae, sb)
     _commit()
     for s in range(n_steps):
       buf = s & 1
       if s > 0:
         self._sh_accumulate(tbc, s - 1, k, sb)
       if s + 1 < n_steps:
-        self._sh_issue(tbc, s + 1, buf ^ 1, nt, t0, pw, psc, n, k, row0, ah, al, ae, sb)
+        self._sh_issue(tbc, s + 1, buf ^ 1, nt, t0, pw, psc, n, k, row0, ap, ae, sb)
       _commit()
       _wait_group(1)  # this thread's copies of step s have landed
       cute.arch.sync_threads()
-      self._sh_compute(tbc, s, buf, k, sb)
+      self._sh_compute(s, buf, k, sb)
       cute.arch.sync_threads()
     self._sh_accumulate(tbc, Int32(n_steps - 1), k, sb)
     cute.arch.sync_threads()
 
   @cute.jit
   def _sh_issue(self, tbc: cutlass.Constexpr, s: Int32, buf: Int32, nt: Int32, t0: Int32, pw: Int64, psc: Int64,
-                n: cutlass.Constexpr, k: cutlass.Constexpr, row0: Int32, ah: Int64, al: Int64, ae: Int64,
-                sb: Int32):
-    """cp.async of step s into buffer buf: each lane its row's 64 weight bytes and scale word, the CTA the tbc
-    tokens' hi/lo activations and exponent words (zeros past ``nt`` and past K)."""
+                n: cutlass.Constexpr, k: cutlass.Constexpr, row0: Int32, ap: Int64, ae: Int64, sb: Int32):
+    """cp.async of step s into buffer buf: the two K128 tiles of the item's 64 weight rows and their scale words,
+    the tbc tokens' digit planes, and the exponent words of all `SH_TOKENS` (zeros past ``nt`` and past K, so the
+    unused columns of the MMA keep every block exponent in range)."""
     tid, _, _ = cute.arch.thread_idx()
-    warp = tid // 32
-    lane = tid % 32
     group = self.v.shared_group
+    k_tiles = k // v1.K128
+    nblk = k // v1.K32
     scale_words = -(-k // (v1.SCALES_PER_WORD * group))
-    kt = 2 * s + (warp >> 1) % 2
-    if kt < k // v1.K128:
-      row = row0 + 32 * (warp % 2) + lane
-      src = pw + (Int64(kt) * n + row) * v1.FP8_TILE_BYTES + (warp >> 2) * SH_LANE
-      slot = (buf * WARPS + warp) * 32 + lane
-      dst = sb + SH_W + slot * SH_LANE
-      swz = (lane >> 1) % 4
-      for c in cutlass.range_constexpr(SH_LANE // 16):
-        _cp16(dst + 16 * (Int32(c) ^ swz), src + 16 * c, Int32(16))
-      word = kt if group == v1.K32 else kt // 4
-      _cp4(sb + SH_S + slot * 4, psc + (Int64(row) * scale_words + word) * 4)
-    chunks = SH_STEP * v1.K32 // 4  # 16 B chunks per token and step
-    for q in range(tid, 2 * tbc * chunks, THREADS):
-      lo = q // (tbc * chunks)
-      r = q - lo * (tbc * chunks)
-      tok = r // chunks
-      c = r - tok * chunks
-      el = s * (SH_STEP * v1.K32) + 4 * c
-      ok = (tok < nt) & (el < k)
-      base = cutlass.select_(lo != 0, al, ah)
-      src = base + cutlass.select_(ok, (Int64(t0 + tok) * k + el) * 4, Int64(0))
-      dst = sb + SH_XH + lo * (SH_XL - SH_XH) + ((buf * SH_TOKENS + tok) * (SH_STEP * v1.K32) + 4 * c) * 4
-      _cp16(dst, src, cutlass.select_(ok, Int32(16), Int32(0)))
-    for q in range(tid, tbc * (SH_STEP // 4), THREADS):
+    chunks = v1.K128 // 16  # per weight row and K128 tile
+    for i in cutlass.range_constexpr(2 * SH_ROWS * chunks // THREADS):
+      q = tid + THREADS * i
+      ts = q // (SH_ROWS * chunks)
+      r = (q // chunks) % SH_ROWS
+      c = q % chunks
+      kt = 2 * s + ts
+      if kt < k_tiles:
+        src = pw + (Int64(kt) * n + row0 + r) * v1.FP8_TILE_BYTES + c * 16
+        dst = sb + SH_W + ((buf * 2 + ts) * SH_ROWS + r) * v1.K128 + 16 * (c ^ ((r % 4) << 1))
+        _cp16(dst, src, Int32(16))
+    if tid < 2 * SH_ROWS:
+      ts = tid // SH_ROWS
+      r = tid % SH_ROWS
+      kt = 2 * s + ts
+      if kt < k_tiles:
+        word = kt if group == v1.K32 else kt // 4
+        _cp4(sb + SH_S + ((buf * 2 + ts) * SH_ROWS + r) * 4, psc + (Int64(row0 + r) * scale_words + word) * 4)
+    per_tok = SH_STEP * SH_BLOCK // 16  # 16 B chunks per token and step
+    for q in range(tid, tbc * per_tok, THREADS):
+      tok = q // per_tok
+      c = q - tok * per_tok
+      blk = s * SH_STEP + c // (SH_BLOCK // 16)
+      ok = (tok < nt) & (blk < nblk)
+      src = ap + cutlass.select_(ok, (Int64(t0 + tok) * nblk + s * SH_STEP) * SH_BLOCK + c * 16, Int64(0))
+      _cp16(sb + SH_X + (buf * SH_TOKENS + tok) * SH_X_STRIDE + 16 * c, src, cutlass.select_(ok, Int32(16), Int32(0)))
+    for q in range(tid, SH_TOKENS * (SH_STEP // 4), THREADS):
       tok = q // (SH_STEP // 4)
       c = q - tok * (SH_STEP // 4)
       blk = s * SH_STEP + 4 * c
-      ok = (tok < nt) & (blk < k // v1.K32)
-      src = ae + cutlass.select_(ok, (Int64(t0 + tok) * (k // v1.K32) + blk) * 4, Int64(0))
+      ok = (tok < nt) & (blk < nblk)
+      src = ae + cutlass.select_(ok, (Int64(t0 + tok) * nblk + blk) * 4, Int64(0))
       _cp16(sb + SH_XE + ((buf * SH_TOKENS + tok) * SH_STEP + 4 * c) * 4, src, cutlass.select_(ok, Int32(16),
                                                                                                 Int32(0)))
 
   @cute.jit
-  def _sh_compute(self, tbc: cutlass.Constexpr, s: Int32, buf: Int32, k: cutlass.Constexpr, sb: Int32):
-    """Step s's block dots: warp w, lane l: weight row 32 (w & 1) + l, K128 tile 2 s + ((w >> 1) & 1), its K32
-    blocks 2 (w >> 2) and 2 (w >> 2) + 1, for each of tbc tokens; p(t, r, b) to `SH_P`."""
-    tid, _, _ = cute.arch.thread_idx()
-    warp = tid // 32
-    lane = tid % 32
-    ts = (warp >> 1) % 2
-    bp = warp >> 2
+  def _sh_compute(self, s: Int32, buf: Int32, k: cutlass.Constexpr, sb: Int32):
+    """Step s's block dots on the tensor cores: warp w, the m16 tile w & 3 of the item's rows (A: the weights) x the
+    group's 8 tokens (B), K128 tile 2 s + (w >> 2), its four K32 blocks; p(t, r, b) to `SH_P`.
+
+    A weight byte and an activation are each hi + lo with hi = 64 H1 + H0 and lo = 64 L1 + L0 (signed 6-bit
+    digits; one of hi, lo is 0), and F = hi + lo has the digits F1 = H1 | L1, F0 = H0 | L0. Twelve exact int8
+    MMAs give nine chains, each below 2**22 in magnitude: Shh's (H1 H1; H1 H0 + H0 H1; H0 H0), Sll's likewise, and
+    from F x F less those two, Shl + Slh's (started at `MAGIC3` less their ends). With every chain started at
+    MAGIC, f32 of a chain is one subtraction and f32(S) = RN(64 RN... (64 f32(S1) + f32(S2)) + f32(S3)) with the
+    inner FMA exact (below 2**24), i.e. cvt.rn of S; then the semantics' p and its scaling (`roles_v1._fp8_block_p`;
+    one multiplication where every block exponent of the warp's block lies within `SH_FAST_EXP`). The K order
+    of the MMA is permuted the same way for A and B (thread t4 holds the bytes 8 t4.. 8 t4 + 7 of a block, in one
+    8-byte load), which leaves every integer sum as it is."""
+    warp, lane, g, t4 = _lanes()
+    mt = warp % 4
+    ts = warp // 4
     kt = 2 * s + ts
     if kt < k // v1.K128:
-      slot = (buf * WARPS + warp) * 32 + lane
-      wrow = sb + SH_W + slot * SH_LANE
-      swz = (lane >> 1) % 4
-      sw = _lds(sb + SH_S + slot * 4)
-      row = 32 * (warp % 2) + lane
-      for jj in cutlass.range_constexpr(2):
-        lb = 4 * ts + 2 * bp + jj
-        byte = 2 * bp + jj if self.v.shared_group == v1.K32 else kt % 4
-        ew = ((sw >> (byte * v1.BYTE_BITS)) & v1.BYTE_MASK) - v1.UE8M0_BIAS
-        shh = [Int32(0)] * tbc
-        shl = [Int32(0)] * tbc
-        slh = [Int32(0)] * tbc
-        sll = [Int32(0)] * tbc
-        for q2 in cutlass.range_constexpr(2):
-          wv = _lds4(wrow + 16 * (Int32(2 * jj + q2) ^ swz))
-          for wd in cutlass.range_constexpr(4):
-            hl = [_e4m3_hl(wv[wd], i) for i in range(4)]
-            e0 = (4 * q2 + wd) * 4
-            for t in cutlass.range_constexpr(tbc):
-              xa = sb + SH_XH + ((buf * SH_TOKENS + t) * (SH_STEP * v1.K32) + lb * v1.K32 + e0) * 4
-              xh = _lds4(xa)
-              xl = _lds4(xa + (SH_XL - SH_XH))
-              for i in cutlass.range_constexpr(4):
-                wh, wl = hl[i]
-                shh[t] = shh[t] + xh[i] * wh
-                shl[t] = shl[t] + xh[i] * wl
-                slh[t] = slh[t] + xl[i] * wh
-                sll[t] = sll[t] + xl[i] * wl
-        for t in cutlass.range_constexpr(tbc):
-          ex = _lds(sb + SH_XE + ((buf * SH_TOKENS + t) * SH_STEP + lb) * 4)
-          p = v1._fp8_block_p(shh[t], shl[t] + slh[t], sll[t], ex + ew)
-          p = cutlass.select_(ex == abi.SHARED_NAN_EXP, Int32(v1.F32_QNAN), p)
-          _sts(sb + SH_P + ((lb * SH_TOKENS + t) * SH_ROWS + row) * 4, p)
+      tile = sb + SH_W + ((buf * 2 + ts) * SH_ROWS + 16 * mt + g) * v1.K128 + 8 * t4
+      srow = sb + SH_S + ((buf * 2 + ts) * SH_ROWS + 16 * mt + g) * 4
+      sw = (_lds(srow), _lds(srow + 8 * 4))
+      tab = sb + SH_TAB
+      m4 = (Int32(MAGIC),) * 4
+      for j in cutlass.range_constexpr(4):
+        lb = 4 * ts + j
+        wa = tile + 32 * (Int32(j) ^ (g % 4))  # chunk pair j of rows g, g + 8 (`_sh_issue`'s swizzle)
+        lo_words = _lds2(wa)
+        hi_words = _lds2(wa + 8 * v1.K128)
+        dg = [_e4m3_digits(w, tab) for w in (lo_words[0], hi_words[0], lo_words[1], hi_words[1])]
+        ah1, ah0, al1, al0 = (tuple(dg[i][p] for i in range(4)) for p in range(SH_PLANES))
+        af1 = tuple(ah1[i] | al1[i] for i in range(4))
+        af0 = tuple(ah0[i] | al0[i] for i in range(4))
+        xa = sb + SH_X + (buf * SH_TOKENS + g) * SH_X_STRIDE + lb * SH_BLOCK + 8 * t4
+        bh1, bh0, bl1, bl0 = (_lds2(xa + 32 * p) for p in range(SH_PLANES))
+        bf1 = (bh1[0] | bl1[0], bh1[1] | bl1[1])
+        bf0 = (bh0[0] | bl0[0], bh0[1] | bl0[1])
+        c1 = _mma_s8(ah1, bh1, m4)
+        c2 = _mma_s8(ah0, bh1, _mma_s8(ah1, bh0, m4))
+        c3 = _mma_s8(ah0, bh0, m4)
+        d1 = _mma_s8(al1, bl1, m4)
+        d2 = _mma_s8(al0, bl1, _mma_s8(al1, bl0, m4))
+        d3 = _mma_s8(al0, bl0, m4)
+        e1 = _mma_s8(af1, bf1, tuple(MAGIC3 - c1[i] - d1[i] for i in range(4)))
+        e2 = _mma_s8(af0, bf1, _mma_s8(af1, bf0, tuple(MAGIC3 - c2[i] - d2[i] for i in range(4))))
+        e3 = _mma_s8(af0, bf0, tuple(MAGIC3 - c3[i] - d3[i] for i in range(4)))
+        if cutlass.const_expr(self.v.shared_group == v1.K32):
+          ew = tuple(((w >> (8 * j)) & v1.BYTE_MASK) - v1.UE8M0_BIAS for w in sw)
+        else:
+          ew = tuple(((w >> (8 * (kt % 4))) & v1.BYTE_MASK) - v1.UE8M0_BIAS for w in sw)
+        xe = sb + SH_XE + ((buf * SH_TOKENS + 2 * t4) * SH_STEP + lb) * 4
+        ex = (_lds(xe), _lds(xe + SH_STEP * 4))
+        p = [Int32(0)] * 4
+        es = [Int32(0)] * 4
+        slow = Int32(0)
+        for c in cutlass.range_constexpr(4):
+          fhh = _sh_chain_f32(c1[c], c2[c], c3[c])
+          fhx = _sh_chain_f32(e1[c], e2[c], e3[c])
+          fll = _sh_chain_f32(d1[c], d2[c], d3[c])
+          q = _fma(fhh, v1.FP8_PART_BITS[0], v1._fmul(fhx, v1.FP8_PART_BITS[1]))
+          p[c] = _fma(fll, v1.FP8_PART_BITS[2], q)
+          es[c] = ex[c % 2] + ew[c // 2]
+          slow = slow | cutlass.select_((es[c] < -SH_FAST_EXP) | (es[c] > SH_FAST_EXP), Int32(1), Int32(0))
+        out = sb + SH_P + ((lb * SH_TOKENS + 2 * t4) * SH_P_ROWS + 16 * mt + g) * 4
+        if _warp_any(slow) == 0:
+          for c in cutlass.range_constexpr(4):
+            _sts(out + ((c % 2) * SH_P_ROWS + 8 * (c // 2)) * 4,
+                 v1._fmul(p[c], (es[c] + v1.F32_BIAS) << v1.F32_MANT_BITS))
+        else:
+          for c in cutlass.range_constexpr(4):
+            r = v1._scale_pow2(p[c], es[c])
+            _sts(out + ((c % 2) * SH_P_ROWS + 8 * (c // 2)) * 4,
+                 cutlass.select_(ex[c % 2] == abi.SHARED_NAN_EXP, Int32(v1.F32_QNAN), r))
 
   @cute.jit
   def _sh_accumulate(self, tbc: cutlass.Constexpr, s: Int32, k: cutlass.Constexpr, sb: Int32):
@@ -1304,7 +1386,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         a = sb + SH_ACC + (tok * SH_ROWS + row) * 4
         acc = _lds(a)
         for lb in cutlass.range_constexpr(SH_STEP):
-          p = _lds(sb + SH_P + ((lb * SH_TOKENS + tok) * SH_ROWS + row) * 4)
+          p = _lds(sb + SH_P + ((lb * SH_TOKENS + tok) * SH_P_ROWS + row) * 4)
           if cutlass.const_expr(lb >= 4 and (k // v1.K32) % SH_STEP != 0):
             # The last step of a K of an odd number of K128 tiles has 4 blocks (acc kept as it is: adding +0 would
             # turn an ftz-flushed -0 into +0).
