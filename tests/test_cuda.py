@@ -77,6 +77,19 @@ def test_a_shared_expert_of_an_odd_number_of_k128_tiles_matches_the_oracle():
   assert _compare("shared Is=384", y, want) == 1.0
 
 
+@pytest.mark.parametrize("group", [32, 128])
+def test_the_shared_experts_wide_token_groups_and_their_tails_match_the_oracle(group):
+  """Capacity 64 (one CTA per SM): token groups of 16, two n-tiles per weight decode; T = 33, 37, 45 and 64 end in a
+  group of 1, 5, 13 and 16 tokens (the one-token, one-n-tile and two-n-tile bodies)."""
+  for tokens in (33, 37, 45, 64):
+    shape = dataclasses.replace(SMALL, tokens=tokens, shared_intermediate=256, shared_group=group)
+    p = make_problem("default", shape, seed=tokens)
+    x, w, r = quantized(p)
+    y = gm.moe(x, w, r, clamp=p.shape.clamp, backend="cuda")
+    want = emulated(x, w, r.ids, r.weights, clamp=p.shape.clamp)
+    assert _compare(f"shared g{group} T={tokens}", y, want) == 1.0
+
+
 def test_nan_activation_poisons_only_its_token():
   x, w, r = quantized(make_problem("default", SMALL_GPU, seed=3))
   y = np.asarray(gm.moe(x.at[5, 7].set(jnp.nan), w, r, backend="cuda"), np.float32)

@@ -182,9 +182,9 @@ class Workspace:
 
 def counter_words(experts: int, capacity: int, shared: bool, ranks: int = 1, relay: bool = False) -> int:
   """Words of one parity of the v2 ``counters`` section: E experts, the x-quantization count, with a shared
-  expert one per token (its token groups use the first ceil(T / 8)), with R > 1 ranks two more (`fused_counters`),
-  on the relay return path one per expert (its GEMM2 items done, `relay_counters`), and last role 2's item queue
-  (`queue_counter`)."""
+  expert one per token (its token groups of 8 or 16 use the first ceil(T / 8) or ceil(T / 16)), with R > 1 ranks
+  two more (`fused_counters`), on the relay return path one per expert (its GEMM2 items done, `relay_counters`),
+  and last role 2's item queue (`queue_counter`)."""
   return queue_counter(experts, capacity, shared, ranks, relay) + 1
 
 

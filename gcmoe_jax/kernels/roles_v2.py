@@ -38,14 +38,15 @@ latencies better where the work per stage is small).
 2. GEMM2 items (h, j), j < H/128, after all GEMM1 items (and the shared expert's GEMM1 items): W2 rows
    128 j.. (output columns), the same mainloop over K = I with the B operand from ``aplanes`` (gathered by
    assignment), after waiting for ``counters[par][e] == 2I/128``; o_j = bf16(acc) to ``arena``.
-3. Shared-expert items (`_shared_core`), exact, on the int8 tensor cores, over token groups of up to `SH_TOKENS`:
+3. Shared-expert items (`_shared_core`), exact, on the int8 tensor cores, over token groups of `SH_TOKENS` (one
+   n-tile; `SH_TOKENS_WIDE`, two, in the one-CTA sm_90a variants):
    GEMM1 items (group, 32 activation columns: 64 W13 rows against the group's x, which phase 0 also stores as
    the digit planes of its hi and lo parts, ``sxp``/``sxe``; SwiGLU; that K32 block of each token requantized
    into ``sap``/``sae``; then the group's counter += 1, release), placed after the routed GEMM1 items; GEMM2 items
    (group, 64 output columns: wait until the group's counter reaches its GEMM1 item count, then 64 W2 rows) last.
    An item streams K in steps of 8 K32 blocks through a cp.async double buffer: a warp per (m16 tile of the rows,
    K128 tile of the step) decodes its E4M3 weight bytes into digit planes by a 256-word SMEM table and prmt
-   (`_e4m3_digits`), forms each block's three split dots from twelve int8 MMAs against the group's 8 tokens
+   (`_e4m3_digits`), forms each block's three split dots from twelve int8 MMAs per n-tile of the group's tokens
    (`_sh_compute`), the blocks' contributions go through SMEM, and a thread per (token, row) adds them in K
    order. Every wait is for earlier items, so with the whole grid resident no CTA waits on an item a waiting CTA
    holds.
@@ -155,11 +156,13 @@ DECODE_TABLES = (POS2_LO, NEG_LO, POS_LO, SIGN_SELECT)  # the table words `_stag
 PLANE_COLUMNS = (0, 1, 0, 1, 2, 2, 2, 2)
 PAIR_SLOT_COLUMNS = (0, 0, 1, 1, 0, 0, 1, 1)
 assert all(PLANE_COLUMNS[n] == (2 if n >= 4 else n & 1) and PAIR_SLOT_COLUMNS[n] == (n >> 1) & 1 for n in range(8))
-# The shared expert (`RoleKernelsV2._shared_core`): items of `SH_ROWS` weight rows x a group of up to `SH_TOKENS`
-# tokens (one n-tile of the int8 MMA), K streamed in steps of `SH_STEP` K32 blocks (two K128 tiles; warp w: the m16
-# tile w & 3 of the rows and the K128 tile w >> 2 of the step), double-buffered by cp.async. The FP8 x FP8 block
-# dots are exact int8 MMAs over signed 6-bit digits (`SH_PLANES`; `_sh_compute`).
+# The shared expert (`RoleKernelsV2._shared_core`): items of `SH_ROWS` weight rows x a token group, K streamed in
+# steps of `SH_STEP` K32 blocks (two K128 tiles; warp w: the m16 tile w & 3 of the rows and the K128 tile w >> 2 of the
+# step), double-buffered by cp.async. The FP8 x FP8 block dots are exact int8 MMAs over signed 6-bit digits
+# (`SH_PLANES`; `_sh_compute`). A group is one n-tile of the MMA (`SH_TOKENS`) or, where the SMEM holds it, two
+# (`SH_TOKENS_WIDE`: the one-CTA sm_90a variants), so that a warp decodes each weight block once for twice the tokens.
 SH_TOKENS = 8
+SH_TOKENS_WIDE = 16
 SH_ROWS = 64
 SH_STEP = 8
 SH_PLANES = abi.SHARED_PLANES  # hi = 64 H1 + H0 and lo = 64 L1 + L0, each digit carrying the value's sign
@@ -168,12 +171,23 @@ SH_TAB = 0  # [256] u32: E4M3 byte -> its four digits (H1, H0, L1, L0); 1024-ali
 SH_W = 1024  # [2][2 tiles][64 rows][128 B], 16 B chunk c of row r at c ^ ((r & 3) << 1): conflict-free lds.64
 SH_S = SH_W + 2 * 2 * SH_ROWS * v1.K128  # [2][2][64] scale words
 SH_X_STRIDE = SH_STEP * SH_BLOCK + 32  # bytes per token and step: 8 words mod 32 banks, so B loads miss no bank twice
-SH_X = SH_S + 2 * 2 * SH_ROWS * 4  # [2][SH_TOKENS][SH_X_STRIDE]: the step's digit planes
-SH_XE = SH_X + 2 * SH_TOKENS * SH_X_STRIDE  # [2][SH_TOKENS][8] block exponents
-SH_P_ROWS = SH_ROWS + 4  # f32 per (block, token) row of `SH_P`: the C fragments' stores hit 32 banks
-SH_P = SH_XE + 2 * SH_TOKENS * SH_STEP * 4  # [8][SH_TOKENS][SH_P_ROWS] f32: the step's block contributions
-SH_ACC = SH_P + SH_STEP * SH_TOKENS * SH_P_ROWS * 4  # [SH_TOKENS][64] f32 accumulators
-SH_BYTES = SH_ACC + SH_TOKENS * SH_ROWS * 4
+SH_X = SH_S + 2 * 2 * SH_ROWS * 4  # [2][group][SH_X_STRIDE]: the step's digit planes
+SH_P_ROWS = SH_ROWS + 4  # f32 per (block, token) row of the block contributions: the C fragments' stores hit 32 banks
+
+
+class SharedSmem:
+  """The shared-expert items' SMEM past `SH_X` for token groups of ``tokens`` (offsets from the pipeline area)."""
+
+  def __init__(self, tokens: int):
+    self.tokens = tokens
+    self.xe = SH_X + 2 * tokens * SH_X_STRIDE  # [2][tokens][SH_STEP] block exponents
+    self.p = self.xe + 2 * tokens * SH_STEP * 4  # [SH_STEP][tokens][SH_P_ROWS] f32: the step's block contributions
+    self.acc = self.p + SH_STEP * tokens * SH_P_ROWS * 4  # [tokens][SH_ROWS] f32 accumulators
+    self.bytes = self.acc + tokens * SH_ROWS * 4
+
+
+SH_BYTES = SharedSmem(SH_TOKENS).bytes
+SH_BYTES_WIDE = SharedSmem(SH_TOKENS_WIDE).bytes
 # The shared block dots' magic conversions (`_sh_compute`): every digit chain's sum is below 2**22 in magnitude, so
 # an MMA chain started at MAGIC ends at the float32 bits of 1.5 2**23 + S; the hi x lo chains start at 3 MAGIC less
 # the hi x hi and lo x lo chains' ends and sum F x F, F = hi + lo, so they end at MAGIC + (Shl + Slh).
@@ -188,6 +202,12 @@ SH_FAST_EXP = 100
 MAGIC_FP8 = v1._f32_bits(1.5 * 2.0**21)
 F32_2P127 = v1._f32_bits(2.0**127)
 E4M3_EM_ONE = 7 << 23  # 1.0 in that field (E4M3 exponent 7 at float32 bits 23-26): |v| >= 1 from there up
+# The 4 x 4 byte transpose of `_e4m3_digits`: interleave bytes 0, 1 (or 2, 3) of two words, then take the low (or high)
+# halves of two words.
+PRMT_BYTES01 = 0x5140
+PRMT_BYTES23 = 0x7362
+PRMT_HALVES_LO = 0x5410
+PRMT_HALVES_HI = 0x7632
 EXPAND_SELECT = 0x5140  # prmt selector of the sm_120a seam: bytes (w0, (w >> 4)0, w1, (w >> 4)1) of a 16-bit word
 
 
@@ -360,35 +380,36 @@ def _e4m3_code(n) -> Int32:
                   "cvt.rn.satfinite.e4m3x2.f32 _h, _z, _f; cvt.u32.u16 {$w0}, _h; }", f) & 0xFF
 
 
-def _e4m3_hl(word, i: int) -> tuple[Int32, Int32]:
-  """The E4M3 byte i of ``word`` (a finite weight v) as the shared expert's split (`roles_v1._split`): ``8 v`` if
-  |v| >= 1 else 0, and ``512 v`` if |v| < 1 else 0 (`MAGIC_FP8`; each role-2 CTA fills the digit table `SH_TAB`
-  with it)."""
-  if i == 3:
-    sgn = word & v1._i32(0x80000000)
-    em = (word >> 4) & 0x07F00000
-  else:
-    sgn = (word << (24 - 8 * i)) & v1._i32(0x80000000)
-    em = (word << (20 - 8 * i)) & 0x07F00000
+def _e4m3_hl(code) -> tuple[Int32, Int32]:
+  """The E4M3 byte ``code`` (a finite weight v, in the low byte) as the shared expert's split (`roles_v1._split`):
+  ``8 v`` if |v| >= 1 else 0, and ``512 v`` if |v| < 1 else 0 (`MAGIC_FP8`; each role-2 CTA fills the digit table
+  `SH_TAB` with it)."""
+  sgn = (code << 24) & v1._i32(0x80000000)
+  em = (code << 20) & 0x07F00000
   n = v1._float_op("fma.rn.f32", sgn | em, Int32(F32_2P127), Int32(MAGIC_FP8)) - MAGIC_FP8
   h = cutlass.select_(em >= E4M3_EM_ONE, n >> v1.E4M3_HI_SHIFT, Int32(0))
   return h, n - (h << v1.E4M3_HI_SHIFT)
 
 
-def _digits(v) -> tuple[Int32, Int32]:
-  """``v`` (|v| < 2**12) as two signed 6-bit digits (d1, d0), v = 64 d1 + d0, both carrying the sign of v."""
+def _sign_digits(v, n: int) -> tuple[Int32, ...]:
+  """``v`` (|v| < 64**n) as n signed 6-bit digits, low first: v = sum 64**i d_i, every digit carrying the sign of v
+  (the digit planes of `abi.PLANES` and `abi.SHARED_PLANES`)."""
   neg = v < 0
   m = cutlass.select_(neg, -v, v)
-  d1 = m >> abi.DIGIT_BITS
-  d0 = m & ((1 << abi.DIGIT_BITS) - 1)
-  return cutlass.select_(neg, -d1, d1), cutlass.select_(neg, -d0, d0)
+  out = []
+  for i in range(n):
+    d = m >> (abi.DIGIT_BITS * i)
+    if i < n - 1:
+      d = d & ((1 << abi.DIGIT_BITS) - 1)
+    out.append(cutlass.select_(neg, -d, d))
+  return tuple(out)
 
 
 def _digit_entry(code) -> Int32:
   """The decode table's word for E4M3 byte ``code`` (`SH_TAB`): bytes H1, H0, L1, L0 of its hi and lo parts."""
-  h, lw = _e4m3_hl(code, 0)
-  h1, h0 = _digits(h)
-  l1, l0 = _digits(lw)
+  h, lw = _e4m3_hl(code)
+  h0, h1 = _sign_digits(h, 2)
+  l0, l1 = _sign_digits(lw, 2)
   return (h1 & 0xFF) | ((h0 & 0xFF) << 8) | ((l1 & 0xFF) << 16) | (l0 << 24)
 
 
@@ -398,12 +419,12 @@ def _e4m3_digits(word, tab) -> tuple[Int32, Int32, Int32, Int32]:
   by eight prmt."""
   t = [_lds(tab | ((word << 2) & 0x3FC)), _lds(tab | ((word >> 6) & 0x3FC)), _lds(tab | ((word >> 14) & 0x3FC)),
        _lds(tab | ((word >> 22) & 0x3FC))]
-  u0 = _prmt(t[0], t[1], Int32(0x5140))  # (t0.b0, t1.b0, t0.b1, t1.b1)
-  u1 = _prmt(t[0], t[1], Int32(0x7362))  # (t0.b2, t1.b2, t0.b3, t1.b3)
-  w0 = _prmt(t[2], t[3], Int32(0x5140))
-  w1 = _prmt(t[2], t[3], Int32(0x7362))
-  return (_prmt(u0, w0, Int32(0x5410)), _prmt(u0, w0, Int32(0x7632)), _prmt(u1, w1, Int32(0x5410)),
-          _prmt(u1, w1, Int32(0x7632)))
+  u0 = _prmt(t[0], t[1], Int32(PRMT_BYTES01))  # (t0.b0, t1.b0, t0.b1, t1.b1)
+  u1 = _prmt(t[0], t[1], Int32(PRMT_BYTES23))  # (t0.b2, t1.b2, t0.b3, t1.b3)
+  w0 = _prmt(t[2], t[3], Int32(PRMT_BYTES01))
+  w1 = _prmt(t[2], t[3], Int32(PRMT_BYTES23))
+  lo, hi = Int32(PRMT_HALVES_LO), Int32(PRMT_HALVES_HI)
+  return _prmt(u0, w0, lo), _prmt(u0, w0, hi), _prmt(u1, w1, lo), _prmt(u1, w1, hi)
 
 
 def _sh_chain_f32(s1, s2, s3) -> Int32:
@@ -414,11 +435,6 @@ def _sh_chain_f32(s1, s2, s3) -> Int32:
   f2 = v1._fadd(s2, MAGIC_NEG)
   f3 = v1._fadd(s3, MAGIC_NEG)
   return _fma(_fma(f1, F32_64, f2), F32_64, f3)
-
-
-def _lds4(addr):
-  return cute.arch.inline_ptx("ld.shared.v4.u32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
-                              write_only_types=[Int32] * 4, read_only_args=[addr])
 
 
 def _bar_or(pred) -> Int32:
@@ -644,7 +660,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     self.rcap = v.capacity * v.ranks
     self.tags = CTRL_BYTES // 8
     self.role1_smem = (self.tags + (self.rcap * v.top_k + 3) // 4 * 4 + 127) // 128 * 128 if self.fused else 0
-    self.shared_smem = SH_BYTES if v.shared else 0
+    # Token groups of two n-tiles where the pipeline area holds their SMEM (`SH_BYTES_WIDE`, ~106 KB: the one-CTA
+    # sm_90a variants), else one (70 KB: the two-CTA variants, and SM120's 99 KB per CTA).
+    self.sh = SharedSmem(SH_TOKENS_WIDE if self.ctas == 1 and not self.qmma else SH_TOKENS)
+    self.shared_smem = self.sh.bytes if v.shared else 0
     if self.qmma:
       # SM120's budget (99 KB per CTA, 100 KB per SM: `geometry.RTX_PRO_5000`): as many stages as fit c CTAs.
       dev = geometry.RTX_PRO_5000
@@ -1004,7 +1023,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     n2 = n_hit * (0 if cutlass.const_expr(self.ablation == "nogemm2") else self.j2)
     n_s1 = Int32(0)
     n_s2 = Int32(0)
-    n_tg = (n_tok + SH_TOKENS - 1) // SH_TOKENS
+    n_tg = (n_tok + self.sh.tokens - 1) // self.sh.tokens
     if cutlass.const_expr(v.shared):
       n_s1 = n_tg * self.n_cb
       n_s2 = n_tg * self.n_hb
@@ -1151,7 +1170,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     its hi and lo parts (`roles_v1._split`) in planes 0-3 at ``planes`` + 32 p + lane, its exponent word
     (`abi.SHARED_NAN_EXP` for a NaN block) at ``exp`` (`abi.Workspace.sxp`)."""
     h, lw = v1._split(n)
-    for p, d in enumerate(_digits(h) + _digits(lw)):
+    h0, h1 = _sign_digits(h, 2)
+    l0, l1 = _sign_digits(lw, 2)
+    for p, d in enumerate((h1, h0, l1, l0)):
       _st_u8(planes + Int64(32 * p) + Int64(lane), d)
     if lane == 0:
       v1._st(exp, cutlass.select_(bad != 0, Int32(abi.SHARED_NAN_EXP), e))
@@ -1164,21 +1185,23 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     token's requantized output to ``sap``/``sae`` (a warp per token), and the group's counter += 1 (release)."""
     v, ws = self.v, self.ws
     tid, _, _ = cute.arch.thread_idx()
-    t0 = tg * SH_TOKENS
-    nt = cutlass.min(n_tok - t0, Int32(SH_TOKENS))
+    sh = self.sh
+    t0 = tg * sh.tokens
+    nt = cutlass.min(n_tok - t0, Int32(sh.tokens))
     self._shared_dispatch(nt, t0, s13, s13s, 2 * v.shared_intermediate, v.hidden, cb * SH_ROWS,
                           wsb + ws.sxp, wsb + ws.sxe, sb)
     col = tid % 32
-    tok = tid // 32
-    if tok < nt:  # warp-uniform: a warp per token, a lane per column
-      gate = (col // v1.GATE_UP_GROUP) * (2 * v1.GATE_UP_GROUP) + col % v1.GATE_UP_GROUP
-      hg = _lds(sb + SH_ACC + (tok * SH_ROWS + gate) * 4)
-      hu = _lds(sb + SH_ACC + (tok * SH_ROWS + gate + v1.GATE_UP_GROUP) * 4)
-      a = self._swiglu_bits(hg, hu, Int32(v1.F32_ONE), wsb, c_bits)
-      n, e, bad = self._mx_lane(a << v1.BF16_SHIFT)
-      t = Int64(t0 + tok)
-      blk = t * self.n_cb + cb
-      self._store_digits(n, e, bad, col, wsb + ws.sap + blk * SH_BLOCK, wsb + ws.sae + blk * 4)
+    gate = (col // v1.GATE_UP_GROUP) * (2 * v1.GATE_UP_GROUP) + col % v1.GATE_UP_GROUP
+    for j in cutlass.range_constexpr(sh.tokens // WARPS):
+      tok = tid // 32 + j * WARPS
+      if tok < nt:  # warp-uniform: a warp per token, a lane per column
+        hg = _lds(sb + sh.acc + (tok * SH_ROWS + gate) * 4)
+        hu = _lds(sb + sh.acc + (tok * SH_ROWS + gate + v1.GATE_UP_GROUP) * 4)
+        a = self._swiglu_bits(hg, hu, Int32(v1.F32_ONE), wsb, c_bits)
+        n, e, bad = self._mx_lane(a << v1.BF16_SHIFT)
+        t = Int64(t0 + tok)
+        blk = t * self.n_cb + cb
+        self._store_digits(n, e, bad, col, wsb + ws.sap + blk * SH_BLOCK, wsb + ws.sae + blk * 4)
     cute.arch.sync_threads()
     if tid == 0:
       cute.arch.fence_acq_rel_gpu()
@@ -1191,8 +1214,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     W2 rows 64 hb.. against its requantized activations, bf16 into ``shared_out``. Returns 1 when the wait failed."""
     v, ws = self.v, self.ws
     tid, _, _ = cute.arch.thread_idx()
-    t0 = tg * SH_TOKENS
-    nt = cutlass.min(n_tok - t0, Int32(SH_TOKENS))
+    sh = self.sh
+    t0 = tg * sh.tokens
+    nt = cutlass.min(n_tok - t0, Int32(sh.tokens))
     ok = Int32(1)
     if tid == 0:
       ok = self._wait_geq(counter, Int32(self.n_cb), wsb, cur, bid, abi.WAIT_SHARED + t0)
@@ -1203,10 +1227,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       self._shared_dispatch(nt, t0, s2, s2s, v.hidden, v.shared_intermediate, hb * SH_ROWS,
                             wsb + ws.sap, wsb + ws.sae, sb)
       row = tid % SH_ROWS
-      for j in cutlass.range_constexpr(SH_TOKENS * SH_ROWS // THREADS):
+      for j in cutlass.range_constexpr(sh.tokens * SH_ROWS // THREADS):
         tok = tid // SH_ROWS + j * (THREADS // SH_ROWS)
         if tok < nt:
-          acc = _lds(sb + SH_ACC + (tok * SH_ROWS + row) * 4)
+          acc = _lds(sb + sh.acc + (tok * SH_ROWS + row) * 4)
           out = wsb + ws.shared_out + (Int64(t0 + tok) * v.hidden + hb * SH_ROWS + row) * v1.BF16_BYTES
           v1._st_bf16(out, v1._bf16_rne(acc))
       cute.arch.sync_threads()  # the accumulators are zeroed by the next item
@@ -1215,29 +1239,38 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   @cute.jit
   def _shared_dispatch(self, nt: Int32, t0: Int32, pw: Int64, psc: Int64, n: cutlass.Constexpr,
                        k: cutlass.Constexpr, row0: Int32, ap: Int64, ae: Int64, sb: Int32):
-    """`_shared_core` for one token (its copies and in-order adds of one column) or a group of `SH_TOKENS`."""
+    """`_shared_core` for one token (its copies and in-order adds of one column), for up to one n-tile of tokens
+    (`SH_TOKENS`), or, in the variants of wide groups, for up to two."""
     if nt == 1:
       self._shared_core(1, nt, t0, pw, psc, n, k, row0, ap, ae, sb)
     else:
-      self._shared_core(SH_TOKENS, nt, t0, pw, psc, n, k, row0, ap, ae, sb)
+      if cutlass.const_expr(self.sh.tokens > SH_TOKENS):
+        if nt > SH_TOKENS:
+          self._shared_core(self.sh.tokens, nt, t0, pw, psc, n, k, row0, ap, ae, sb)
+        else:
+          self._shared_core(SH_TOKENS, nt, t0, pw, psc, n, k, row0, ap, ae, sb)
+      else:
+        self._shared_core(SH_TOKENS, nt, t0, pw, psc, n, k, row0, ap, ae, sb)
 
   @cute.jit
   def _shared_core(self, tbc: cutlass.Constexpr, nt: Int32, t0: Int32, pw: Int64, psc: Int64, n: cutlass.Constexpr,
                    k: cutlass.Constexpr, row0: Int32, ap: Int64, ae: Int64, sb: Int32):
     """``acc[t][r] = sum over K32 blocks b in order of p(t, r, b)`` (the FP8 x FP8 block dots of the `reference`
     module doc) for the group's tokens t < tbc (those past ``nt`` read zeros) and weight rows row0 + r, r < 64,
-    into SMEM (`SH_ACC`).
+    into SMEM (``self.sh.acc``).
 
     MXFP8 weights ``pw`` [K/128, n, 128] (E4M3) with scales ``psc`` [n, ceil(K / (4 group))]; activations as the
     digit planes at ``ap`` and exponent words at ``ae`` (`abi.Workspace.sxp`). Each step of `SH_STEP` K32 blocks:
     the next step's weights and activations are copied (cp.async) while this one's block dots run on the tensor
-    cores (`_sh_compute`), the blocks' p to SMEM; then a thread per (token, row) adds the step's p in increasing K
-    (the order the semantics fix, which the split of K across warps would otherwise break)."""
+    cores (`_sh_compute`, one n-tile per 8 tokens of ``tbc``), the blocks' p to SMEM; then a thread per (token,
+    row) adds the step's p in increasing K (the order the semantics fix, which the split of K across warps would
+    otherwise break)."""
     tid, _, _ = cute.arch.thread_idx()
     k_tiles = k // v1.K128
     n_steps = -(-k_tiles // 2)
-    for i in range(tid, SH_TOKENS * SH_ROWS, THREADS):
-      _sts(sb + SH_ACC + i * 4, Int32(0))
+    ntiles = -(-tbc // SH_TOKENS)
+    for i in range(tid, self.sh.tokens * SH_ROWS, THREADS):
+      _sts(sb + self.sh.acc + i * 4, Int32(0))
     _sts(sb + SH_TAB + tid * 4, _digit_entry(tid))  # 256 threads, 256 codes: read after the first step's barrier
     self._sh_issue(tbc, Int32(0), Int32(0), nt, t0, pw, psc, n, k, row0, ap, ae, sb)
     _commit()
@@ -1250,7 +1283,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       _commit()
       _wait_group(1)  # this thread's copies of step s have landed
       cute.arch.sync_threads()
-      self._sh_compute(s, buf, k, sb)
+      self._sh_compute(ntiles, s, buf, k, sb)
       cute.arch.sync_threads()
     self._sh_accumulate(tbc, Int32(n_steps - 1), k, sb)
     cute.arch.sync_threads()
@@ -1259,9 +1292,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   def _sh_issue(self, tbc: cutlass.Constexpr, s: Int32, buf: Int32, nt: Int32, t0: Int32, pw: Int64, psc: Int64,
                 n: cutlass.Constexpr, k: cutlass.Constexpr, row0: Int32, ap: Int64, ae: Int64, sb: Int32):
     """cp.async of step s into buffer buf: the two K128 tiles of the item's 64 weight rows and their scale words,
-    the tbc tokens' digit planes, and the exponent words of all `SH_TOKENS` (zeros past ``nt`` and past K, so the
-    unused columns of the MMA keep every block exponent in range)."""
+    the tbc tokens' digit planes, and the exponent words of the n-tiles' tokens (zeros past ``nt`` and past K, so
+    the unused columns of the MMA keep every block exponent in range)."""
     tid, _, _ = cute.arch.thread_idx()
+    sh = self.sh
     group = self.v.shared_group
     k_tiles = k // v1.K128
     nblk = k // v1.K32
@@ -1291,31 +1325,33 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       blk = s * SH_STEP + c // (SH_BLOCK // 16)
       ok = (tok < nt) & (blk < nblk)
       src = ap + cutlass.select_(ok, (Int64(t0 + tok) * nblk + s * SH_STEP) * SH_BLOCK + c * 16, Int64(0))
-      _cp16(sb + SH_X + (buf * SH_TOKENS + tok) * SH_X_STRIDE + 16 * c, src, cutlass.select_(ok, Int32(16), Int32(0)))
-    for q in range(tid, SH_TOKENS * (SH_STEP // 4), THREADS):
+      _cp16(sb + SH_X + (buf * sh.tokens + tok) * SH_X_STRIDE + 16 * c, src, cutlass.select_(ok, Int32(16), Int32(0)))
+    for q in range(tid, -(-tbc // SH_TOKENS) * SH_TOKENS * (SH_STEP // 4), THREADS):
       tok = q // (SH_STEP // 4)
       c = q - tok * (SH_STEP // 4)
       blk = s * SH_STEP + 4 * c
       ok = (tok < nt) & (blk < nblk)
       src = ae + cutlass.select_(ok, (Int64(t0 + tok) * nblk + blk) * 4, Int64(0))
-      _cp16(sb + SH_XE + ((buf * SH_TOKENS + tok) * SH_STEP + 4 * c) * 4, src, cutlass.select_(ok, Int32(16),
+      _cp16(sb + sh.xe + ((buf * sh.tokens + tok) * SH_STEP + 4 * c) * 4, src, cutlass.select_(ok, Int32(16),
                                                                                                 Int32(0)))
 
   @cute.jit
-  def _sh_compute(self, s: Int32, buf: Int32, k: cutlass.Constexpr, sb: Int32):
-    """Step s's block dots on the tensor cores: warp w, the m16 tile w & 3 of the item's rows (A: the weights) x the
-    group's 8 tokens (B), K128 tile 2 s + (w >> 2), its four K32 blocks; p(t, r, b) to `SH_P`.
+  def _sh_compute(self, ntiles: cutlass.Constexpr, s: Int32, buf: Int32, k: cutlass.Constexpr, sb: Int32):
+    """Step s's block dots on the tensor cores: warp w, the m16 tile w & 3 of the item's rows (A: the weights) x
+    ``ntiles`` n-tiles of 8 of the group's tokens (B), K128 tile 2 s + (w >> 2), its four K32 blocks; p(t, r, b) to
+    ``self.sh.p``. The weights are decoded once per block for every n-tile.
 
     A weight byte and an activation are each hi + lo with hi = 64 H1 + H0 and lo = 64 L1 + L0 (signed 6-bit
     digits; one of hi, lo is 0), and F = hi + lo has the digits F1 = H1 | L1, F0 = H0 | L0. Twelve exact int8
-    MMAs give nine chains, each below 2**22 in magnitude: Shh's (H1 H1; H1 H0 + H0 H1; H0 H0), Sll's likewise, and
-    from F x F less those two, Shl + Slh's (started at `MAGIC3` less their ends). With every chain started at
-    MAGIC, f32 of a chain is one subtraction and f32(S) = RN(64 RN... (64 f32(S1) + f32(S2)) + f32(S3)) with the
-    inner FMA exact (below 2**24), i.e. cvt.rn of S; then the semantics' p and its scaling (`roles_v1._fp8_block_p`;
-    one multiplication where every block exponent of the warp's block lies within `SH_FAST_EXP`). The K order
-    of the MMA is permuted the same way for A and B (thread t4 holds the bytes 8 t4.. 8 t4 + 7 of a block, in one
-    8-byte load), which leaves every integer sum as it is."""
+    MMAs per n-tile give nine chains, each below 2**22 in magnitude: Shh's (H1 H1; H1 H0 + H0 H1; H0 H0), Sll's
+    likewise, and from F x F less those two, Shl + Slh's (started at `MAGIC3` less their ends). With every chain
+    started at MAGIC, f32 of a chain is one subtraction, and f32(S) = RN(64 (64 f32(S1) + f32(S2)) + f32(S3)) with
+    the inner FMA exact (below 2**24), i.e. cvt.rn of S (`_sh_chain_f32`); then the semantics' p and its scaling
+    (`roles_v1._fp8_block_p`; one multiplication where every block exponent of the warp's block lies within
+    `SH_FAST_EXP`). The K order of the MMA is permuted the same way for A and B (thread t4 holds the bytes 8 t4 ..
+    8 t4 + 7 of a block, in one 8-byte load), which leaves every integer sum as it is."""
     warp, lane, g, t4 = _lanes()
+    sh = self.sh
     mt = warp % 4
     ts = warp // 4
     kt = 2 * s + ts
@@ -1334,59 +1370,62 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         ah1, ah0, al1, al0 = (tuple(dg[i][p] for i in range(4)) for p in range(SH_PLANES))
         af1 = tuple(ah1[i] | al1[i] for i in range(4))
         af0 = tuple(ah0[i] | al0[i] for i in range(4))
-        xa = sb + SH_X + (buf * SH_TOKENS + g) * SH_X_STRIDE + lb * SH_BLOCK + 8 * t4
-        bh1, bh0, bl1, bl0 = (_lds2(xa + 32 * p) for p in range(SH_PLANES))
-        bf1 = (bh1[0] | bl1[0], bh1[1] | bl1[1])
-        bf0 = (bh0[0] | bl0[0], bh0[1] | bl0[1])
-        c1 = _mma_s8(ah1, bh1, m4)
-        c2 = _mma_s8(ah0, bh1, _mma_s8(ah1, bh0, m4))
-        c3 = _mma_s8(ah0, bh0, m4)
-        d1 = _mma_s8(al1, bl1, m4)
-        d2 = _mma_s8(al0, bl1, _mma_s8(al1, bl0, m4))
-        d3 = _mma_s8(al0, bl0, m4)
-        e1 = _mma_s8(af1, bf1, tuple(MAGIC3 - c1[i] - d1[i] for i in range(4)))
-        e2 = _mma_s8(af0, bf1, _mma_s8(af1, bf0, tuple(MAGIC3 - c2[i] - d2[i] for i in range(4))))
-        e3 = _mma_s8(af0, bf0, tuple(MAGIC3 - c3[i] - d3[i] for i in range(4)))
         if cutlass.const_expr(self.v.shared_group == v1.K32):
           ew = tuple(((w >> (8 * j)) & v1.BYTE_MASK) - v1.UE8M0_BIAS for w in sw)
         else:
           ew = tuple(((w >> (8 * (kt % 4))) & v1.BYTE_MASK) - v1.UE8M0_BIAS for w in sw)
-        xe = sb + SH_XE + ((buf * SH_TOKENS + 2 * t4) * SH_STEP + lb) * 4
-        ex = (_lds(xe), _lds(xe + SH_STEP * 4))
-        p = [Int32(0)] * 4
-        es = [Int32(0)] * 4
-        slow = Int32(0)
-        for c in cutlass.range_constexpr(4):
-          fhh = _sh_chain_f32(c1[c], c2[c], c3[c])
-          fhx = _sh_chain_f32(e1[c], e2[c], e3[c])
-          fll = _sh_chain_f32(d1[c], d2[c], d3[c])
-          q = _fma(fhh, v1.FP8_PART_BITS[0], v1._fmul(fhx, v1.FP8_PART_BITS[1]))
-          p[c] = _fma(fll, v1.FP8_PART_BITS[2], q)
-          es[c] = ex[c % 2] + ew[c // 2]
-          slow = slow | cutlass.select_((es[c] < -SH_FAST_EXP) | (es[c] > SH_FAST_EXP), Int32(1), Int32(0))
-        out = sb + SH_P + ((lb * SH_TOKENS + 2 * t4) * SH_P_ROWS + 16 * mt + g) * 4
-        if _warp_any(slow) == 0:
+        for nt in cutlass.range_constexpr(ntiles):
+          tok = SH_TOKENS * nt
+          xa = sb + SH_X + (buf * sh.tokens + tok + g) * SH_X_STRIDE + lb * SH_BLOCK + 8 * t4
+          bh1, bh0, bl1, bl0 = (_lds2(xa + 32 * p) for p in range(SH_PLANES))
+          bf1 = (bh1[0] | bl1[0], bh1[1] | bl1[1])
+          bf0 = (bh0[0] | bl0[0], bh0[1] | bl0[1])
+          c1 = _mma_s8(ah1, bh1, m4)
+          c2 = _mma_s8(ah0, bh1, _mma_s8(ah1, bh0, m4))
+          c3 = _mma_s8(ah0, bh0, m4)
+          d1 = _mma_s8(al1, bl1, m4)
+          d2 = _mma_s8(al0, bl1, _mma_s8(al1, bl0, m4))
+          d3 = _mma_s8(al0, bl0, m4)
+          e1 = _mma_s8(af1, bf1, tuple(MAGIC3 - c1[i] - d1[i] for i in range(4)))
+          e2 = _mma_s8(af0, bf1, _mma_s8(af1, bf0, tuple(MAGIC3 - c2[i] - d2[i] for i in range(4))))
+          e3 = _mma_s8(af0, bf0, tuple(MAGIC3 - c3[i] - d3[i] for i in range(4)))
+          xe = sb + sh.xe + ((buf * sh.tokens + tok + 2 * t4) * SH_STEP + lb) * 4
+          ex = (_lds(xe), _lds(xe + SH_STEP * 4))
+          p = [Int32(0)] * 4
+          es = [Int32(0)] * 4
+          slow = Int32(0)
           for c in cutlass.range_constexpr(4):
-            _sts(out + ((c % 2) * SH_P_ROWS + 8 * (c // 2)) * 4,
-                 v1._fmul(p[c], (es[c] + v1.F32_BIAS) << v1.F32_MANT_BITS))
-        else:
-          for c in cutlass.range_constexpr(4):
-            r = v1._scale_pow2(p[c], es[c])
-            _sts(out + ((c % 2) * SH_P_ROWS + 8 * (c // 2)) * 4,
-                 cutlass.select_(ex[c % 2] == abi.SHARED_NAN_EXP, Int32(v1.F32_QNAN), r))
+            fhh = _sh_chain_f32(c1[c], c2[c], c3[c])
+            fhx = _sh_chain_f32(e1[c], e2[c], e3[c])
+            fll = _sh_chain_f32(d1[c], d2[c], d3[c])
+            q = _fma(fhh, v1.FP8_PART_BITS[0], v1._fmul(fhx, v1.FP8_PART_BITS[1]))
+            p[c] = _fma(fll, v1.FP8_PART_BITS[2], q)
+            es[c] = ex[c % 2] + ew[c // 2]
+            slow = slow | cutlass.select_((es[c] < -SH_FAST_EXP) | (es[c] > SH_FAST_EXP), Int32(1), Int32(0))
+          # C fragment element c: token 2 t4 + (c & 1), row g + 8 (c >> 1)
+          out = sb + sh.p + ((lb * sh.tokens + tok + 2 * t4) * SH_P_ROWS + 16 * mt + g) * 4
+          dst = [out + ((c % 2) * SH_P_ROWS + 8 * (c // 2)) * 4 for c in range(4)]
+          if _warp_any(slow) == 0:
+            for c in cutlass.range_constexpr(4):
+              _sts(dst[c], v1._fmul(p[c], (es[c] + v1.F32_BIAS) << v1.F32_MANT_BITS))
+          else:
+            for c in cutlass.range_constexpr(4):
+              r = v1._scale_pow2(p[c], es[c])
+              _sts(dst[c], cutlass.select_(ex[c % 2] == abi.SHARED_NAN_EXP, Int32(v1.F32_QNAN), r))
 
   @cute.jit
   def _sh_accumulate(self, tbc: cutlass.Constexpr, s: Int32, k: cutlass.Constexpr, sb: Int32):
     """A thread per (token, row): acc += p of step s's blocks, in increasing K."""
     tid, _, _ = cute.arch.thread_idx()
+    sh = self.sh
     row = tid % SH_ROWS
     for j in cutlass.range_constexpr(-(-tbc * SH_ROWS // THREADS)):
       tok = tid // SH_ROWS + j * (THREADS // SH_ROWS)
       if tok < tbc:
-        a = sb + SH_ACC + (tok * SH_ROWS + row) * 4
+        a = sb + sh.acc + (tok * SH_ROWS + row) * 4
         acc = _lds(a)
         for lb in cutlass.range_constexpr(SH_STEP):
-          p = _lds(sb + SH_P + ((lb * SH_TOKENS + tok) * SH_P_ROWS + row) * 4)
+          p = _lds(sb + sh.p + ((lb * sh.tokens + tok) * SH_P_ROWS + row) * 4)
           if cutlass.const_expr(lb >= 4 and (k // v1.K32) % SH_STEP != 0):
             # The last step of a K of an odd number of K128 tiles has 4 blocks (acc kept as it is: adding +0 would
             # turn an ftz-flushed -0 into +0).
@@ -1456,17 +1495,13 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     E4M3 codes in plane 0 and its UE8M0 byte at ``sf_addr`` instead (0xFF, NaN, for a NaN block).
     """
     n, e, bad = self._mx_lane(val)
-    m = cutlass.select_(n < 0, -n, n)
-    sgn = cutlass.select_(n < 0, Int32(-1), Int32(1))
-    mask = (1 << abi.DIGIT_BITS) - 1
     if cutlass.const_expr(self.qmma):
       _st_u8(planes + lane, _e4m3_code(n))
       if lane == 0:
         _st_u8(sf_addr, cutlass.select_(bad != 0, Int32(0xFF), e + v1.F32_BIAS))
     else:
-      _st_u8(planes + lane, sgn * (m & mask))
-      _st_u8(planes + 32 + lane, sgn * ((m >> abi.DIGIT_BITS) & mask))
-      _st_u8(planes + 64 + lane, sgn * (m >> (2 * abi.DIGIT_BITS)))
+      for p, d in enumerate(_sign_digits(n, PLANES)):
+        _st_u8(planes + 32 * p + lane, d)
     if cutlass.const_expr(not self.qmma):  # the sm_120a seam reads neither the exponent word nor the flag
       if lane == 0:
         xe = e + v1.FP4_DOT_SHIFT
