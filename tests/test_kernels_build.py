@@ -520,6 +520,24 @@ def test_narrow_passes_of_routed_variants_meet_at_a_barrier_every_two_stages(bui
 
 @needs_dsl
 @pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
+def test_the_sharedfirst_build_changes_only_role_2s_item_order(cache, monkeypatch):
+  """GCMOE_ABLATION=sharedfirst (the shared expert's items first, for A/B timing) builds under its own key, with
+  roles 1 and 3 as they are and role 2's MMAs and stores unchanged in number: only the item decode differs."""
+  normal = build.compile_variant("sm_90a", SMALL_SHARED, cache_dir=cache)
+  monkeypatch.setenv("GCMOE_ABLATION", "sharedfirst")
+  first = build.compile_variant("sm_90a", SMALL_SHARED, cache_dir=cache)
+  assert "+sharedfirst-" in first["key"] and first["key"] != normal["key"]
+  for role in (1, 3):
+    assert _ptx(first, role) == _ptx(normal, role)
+  a, b = _ptx(normal, 2), _ptx(first, 2)
+  assert a != b
+  for op in ("mma.sync.aligned.m16n8k32", "cp.async.ca", "cp.async.cg", "st.global", "bar.sync"):
+    assert a.count(op) == b.count(op), op
+  assert all(r["spill_bytes"] <= 48 for r in first["roles"])
+
+
+@needs_dsl
+@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
 def test_the_timeline_build_stamps_every_role(built, cache, monkeypatch):
   """GCMOE_ABLATION=timeline (`gcmoe_jax.bench.timeline`) adds %globaltimer reads to roles 1, 2 and 3 (the normal
   build reads the timer only in its bounded waits), under its own key."""

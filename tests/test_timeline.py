@@ -53,3 +53,26 @@ def test_the_timeline_follows_the_workspace_in_the_runtime_allocation(monkeypatc
   assert _cuda.workspace_bytes(ws) == ws.total
   monkeypatch.setenv("GCMOE_ABLATION", "timeline")
   assert _cuda.workspace_bytes(ws) == ws.total + abi.TIMELINE_BYTES
+
+
+def test_item_ranges_follow_role_2s_queue_order():
+  assert timeline.item_ranges(256, 384) == {"routed GEMM1": (0, 256), "shared GEMM1": (256, 256),
+                                            "routed GEMM2": (256, 640), "shared GEMM2": (640, 640)}
+  assert timeline.item_ranges(256, 384, 64, 96) == {"routed GEMM1": (0, 256), "shared GEMM1": (256, 320),
+                                                    "routed GEMM2": (320, 704), "shared GEMM2": (704, 800)}
+  assert timeline.item_ranges(256, 384, 64, 96, shared_first=True) == {
+    "shared GEMM1": (0, 64), "routed GEMM1": (64, 320), "shared GEMM2": (320, 416), "routed GEMM2": (416, 800)}
+
+
+def test_item_stats_separate_the_kinds():
+  w, t0 = _slot(np.random.default_rng(1))
+  # items 0, 1: routed GEMM1; 2: shared GEMM1; 3: routed GEMM2; 4: shared GEMM2
+  stats = timeline.item_stats(w, timeline.item_ranges(2, 1, 1, 1))
+  got = {k.kind: k for k in stats}
+  assert [k.items for k in stats] == [2, 1, 1, 1]
+  assert got["routed GEMM1"].first_start == 10.0 and got["routed GEMM1"].last_end == 42.0
+  assert got["routed GEMM1"].median_us == pytest.approx(30.5) and got["routed GEMM1"].max_us == pytest.approx(31.0)
+  assert got["shared GEMM1"].median_us == pytest.approx(27.9)
+  assert got["routed GEMM2"].median_us == pytest.approx(19.5)  # claim to end: its wait included
+  assert got["shared GEMM2"].first_start == pytest.approx(70.2) and got["shared GEMM2"].last_end == 85.0
+  assert "| 1 | 0 | shared GEMM2 | 1 |" in timeline.kinds_markdown([(1, 0, stats)])

@@ -23,7 +23,8 @@ import numpy as np
 from gcmoe_jax import _config
 from gcmoe_jax.kernels import abi
 
-__all__ = ["LayerTimeline", "parse_slot", "summarize", "to_markdown"]
+__all__ = ["ItemStats", "LayerTimeline", "item_ranges", "item_stats", "kinds_markdown", "parse_slot", "summarize",
+           "to_markdown"]
 
 
 @dataclasses.dataclass
@@ -91,6 +92,65 @@ def summarize(words: np.ndarray, gemm1_items: int) -> LayerTimeline:
     busy=float((rec[:, 3] - rec[:, 1]).sum() / span) if span > 0 and rec.size else 0.0, start_ns=t0)
 
 
+@dataclasses.dataclass
+class ItemStats:
+  """One kind of role-2 item in one call: how many, when the first was claimed and the last ended (us from the
+  call's first stamp), and the median and longest claim-to-end time (a GEMM2 item's includes its wait)."""
+
+  kind: str
+  items: int
+  first_start: float
+  last_end: float
+  median_us: float
+  max_us: float
+
+
+def item_ranges(n1: int, n2: int, n_s1: int = 0, n_s2: int = 0,
+                shared_first: bool = False) -> dict[str, tuple[int, int]]:
+  """Each item kind's [first, end) in role 2's queue (`roles_v2.RoleKernelsV2.role2_tc`): routed GEMM1, shared
+  GEMM1, routed GEMM2, shared GEMM2, or with ``shared_first`` (``GCMOE_ABLATION=sharedfirst``) shared GEMM1, routed
+  GEMM1, shared GEMM2, routed GEMM2."""
+  order = ((("shared GEMM1", n_s1), ("routed GEMM1", n1), ("shared GEMM2", n_s2), ("routed GEMM2", n2))
+           if shared_first else
+           (("routed GEMM1", n1), ("shared GEMM1", n_s1), ("routed GEMM2", n2), ("shared GEMM2", n_s2)))
+  out, at = {}, 0
+  for kind, n in order:
+    out[kind] = (at, at + n)
+    at += n
+  return out
+
+
+def item_stats(words: np.ndarray, ranges: dict[str, tuple[int, int]]) -> list[ItemStats]:
+  """Per item kind of ``ranges`` (`item_ranges`) with at least one recorded item, its `ItemStats`."""
+  s = parse_slot(words)
+  head, cta, used = s["head"].astype(np.int64), s["cta"].astype(np.int64), s["used"]
+  if not used.any() or head[0] == 0:
+    raise ValueError("timeline: the slot holds no stamps (was the build GCMOE_ABLATION=timeline?)")
+  c = cta[used]
+  t0 = int(min(head[0], c[:, 0].min()))
+  n = np.minimum(c[:, 4], abi.TL_ITEMS)
+  items = s["item"][used].astype(np.int64)
+  rec = np.concatenate([items[i, :n[i]] for i in range(len(c))]) if n.sum() else np.zeros((0, 4), np.int64)
+  out = []
+  for kind, (lo, hi) in ranges.items():
+    r = rec[(rec[:, 0] >= lo) & (rec[:, 0] < hi)]
+    if len(r):
+      d = (r[:, 3] - r[:, 1]) / 1e3
+      out.append(ItemStats(kind, len(r), float((r[:, 1].min() - t0) / 1e3), float((r[:, 3].max() - t0) / 1e3),
+                           float(np.median(d)), float(d.max())))
+  return out
+
+
+def kinds_markdown(rows: Sequence[tuple[int, int, list[ItemStats]]]) -> str:
+  """A table of ``(batch, layer, item stats)`` rows, one line per item kind."""
+  out = ["| B | layer | items | count | first claim | last end | claim to end med/max |", "| --- " * 7 + "|"]
+  for b, layer, stats in rows:
+    for k in stats:
+      out.append(f"| {b} | {layer} | {k.kind} | {k.items} | {k.first_start:.1f} | {k.last_end:.1f} | "
+                 f"{k.median_us:.1f}/{k.max_us:.1f} |")
+  return "\n".join(out)
+
+
 def to_markdown(rows: Sequence[tuple[int, int, LayerTimeline]]) -> str:
   """A table of ``(batch, layer, timeline)`` rows; the gap is from the previous layer's role 3 exit."""
   out = ["| B | layer | gap | role 1 | role 2 entries | phase 0 | table | GEMM1 | GEMM2 | role 2 exit | role 3 | "
@@ -108,8 +168,8 @@ def to_markdown(rows: Sequence[tuple[int, int, LayerTimeline]]) -> str:
   return "\n".join(out)
 
 
-def _run(model: str, batches: Sequence[int], chain: int, shared: bool,
-         save: str | None = None) -> list[tuple[int, int, LayerTimeline]]:
+def _run(model: str, batches: Sequence[int], chain: int, shared: bool, save: str | None = None
+         ) -> tuple[list[tuple[int, int, LayerTimeline]], list[tuple[int, int, list[ItemStats]]]]:
   import jax  # noqa: PLC0415 - the parser above needs no jax
 
   from gcmoe_jax.bench import sweep  # noqa: PLC0415
@@ -117,7 +177,10 @@ def _run(model: str, batches: Sequence[int], chain: int, shared: bool,
 
   shape = sweep.model_shape(model, shared=shared)
   p = sweep._Problem(shape, 0)  # noqa: SLF001 - the bench's weights and routes, not a copy of them
-  rows, raw_slots = [], {}
+  rows, kinds, raw_slots = [], [], {}
+  j1, j2 = 2 * shape.intermediate // 128, shape.hidden // 128
+  n_cb, n_hb = (shape.shared_intermediate // 32, shape.hidden // 64) if shared else (0, 0)
+  first = _config.get("GCMOE_ABLATION") == "sharedfirst"
   for b in batches:
     x, ids, rw, _, _ = p.inputs(b, chain)
     fn, args = sweep._impl_call("gcmoe:cuda", p, x, ids, rw)  # noqa: SLF001
@@ -131,10 +194,15 @@ def _run(model: str, batches: Sequence[int], chain: int, shared: bool,
     raw_slots[f"slots_b{b}"], raw_slots[f"ids_b{b}"] = slots[order], ids_np
     for layer, si in enumerate(order):
       hit = np.unique(ids_np[layer][ids_np[layer] >= 0]).size
-      rows.append((b, layer, summarize(slots[si], hit * (2 * shape.intermediate // 128))))
+      t = summarize(slots[si], hit * j1)
+      rows.append((b, layer, t))
+      # The shared expert's token groups (8 or 16 tokens, by the variant) from the item count: n_tg (n_cb + n_hb).
+      n_tg = (t.items - hit * (j1 + j2)) // (n_cb + n_hb) if shared else 0
+      kinds.append((b, layer, item_stats(slots[si], item_ranges(hit * j1, hit * j2, n_tg * n_cb, n_tg * n_hb,
+                                                                first))))
   if save:
     np.savez_compressed(save, **raw_slots)
-  return rows
+  return rows, kinds
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -151,10 +219,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("timeline: set GCMOE_ABLATION=timeline (the stamping build of the kernels)", file=sys.stderr)
     return 2
   if a.shared:
-    print("timeline: note: item kinds are split at the routed GEMM1 count (shared-expert items not separated)",
-          file=sys.stderr)
-  rows = _run(a.model, [int(v) for v in a.batch.split(",")], a.chain, a.shared, a.save)
+    print("timeline: note: the first table's GEMM1/GEMM2 columns are the routed items' and the shared items after "
+          "them (the second table separates the kinds)", file=sys.stderr)
+  rows, kinds = _run(a.model, [int(v) for v in a.batch.split(",")], a.chain, a.shared, a.save)
   print(to_markdown(rows))
+  print()
+  print(kinds_markdown(kinds))
   return 0
 
 

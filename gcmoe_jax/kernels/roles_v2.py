@@ -657,6 +657,11 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # left v1's SIMT math, those variants fit every routed-path option without spilling); the fused transport's
     # keep one per stage. `GCMOE_ABLATION=stagebar`: one per stage everywhere, for A/B timing.
     self.paired_barrier = self.ablation != "stagebar" and not self.fused
+    # The shared expert's GEMM1 items before the routed ones and its GEMM2 items before theirs
+    # (`GCMOE_ABLATION=sharedfirst`, results exact, for A/B timing): its GEMM1 needs only phase 0, and the timeline
+    # of GLM5.2 B = 1 (docs/kernels_v2.md "What is left") put the chain routed GEMM1 -> shared GEMM1 -> shared GEMM2
+    # on the critical path.
+    self.shared_first = self.ablation == "sharedfirst"
     self.rcap = v.capacity * v.ranks
     self.tags = CTRL_BYTES // 8
     self.role1_smem = (self.tags + (self.rcap * v.top_k + 3) // 4 * 4 + 127) // 128 * 128 if self.fused else 0
@@ -1018,7 +1023,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # Items, in an order where every wait is for earlier items (so, with the whole grid resident, no CTA waits on
     # an item a waiting CTA holds): GEMM1 tiles (n1), the shared expert's GEMM1 column blocks (n_s1), GEMM2 tiles
     # (n2, each after its expert's GEMM1 tiles), the shared expert's GEMM2 column blocks (n_s2, each after its
-    # token group's GEMM1 blocks).
+    # token group's GEMM1 blocks). `GCMOE_ABLATION=sharedfirst` (A/B timing, `shared_first`): n_s1, n1, n_s2, n2.
     n1 = n_hit * self.j1
     n2 = n_hit * (0 if cutlass.const_expr(self.ablation == "nogemm2") else self.j2)
     n_s1 = Int32(0)
@@ -1054,8 +1059,12 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         it = item  # the routed item (GEMM1 tiles, then GEMM2 tiles)
         routed = item < n1 + n2
         if cutlass.const_expr(v.shared):
-          routed = (item < n1) | ((item >= n1 + n_s1) & (item < n1 + n_s1 + n2))
-          it = cutlass.select_(item >= n1 + n_s1, item - n_s1, item)
+          if cutlass.const_expr(self.shared_first):
+            routed = ((item >= n_s1) & (item < n_s1 + n1)) | (item >= n_s1 + n1 + n_s2)
+            it = cutlass.select_(item >= n_s1 + n1 + n_s2, item - n_s1 - n_s2, item - n_s1)
+          else:
+            routed = (item < n1) | ((item >= n1 + n_s1) & (item < n1 + n_s1 + n2))
+            it = cutlass.select_(item >= n1 + n_s1, item - n_s1, item)
         if routed:
           g2 = it >= n1
           it = cutlass.select_(g2, it - n1, it)
@@ -1092,14 +1101,16 @@ class RoleKernelsV2(v1.RoleKernelsV1):
           if cutlass.const_expr(v.shared):
             token_counters = counters + Int64(v.experts + 1) * v1.WORD_BYTES
             # Column-block-major: the groups' items on the same weight rows run together (L2 reuse).
-            if item < n1 + n_s1:
-              s = item - n1
+            s1_at = Int32(0) if cutlass.const_expr(self.shared_first) else n1
+            s2_at = n_s1 + n1 if cutlass.const_expr(self.shared_first) else n1 + n_s1 + n2
+            if item < s1_at + n_s1:
+              s = item - s1_at
               cb = s // n_tg
               tg = s - cb * n_tg
               self._shared_gemm1(tg, cb, n_tok, s13.toint(), s13_scale.toint(), wsb, c_bits, pipe,
                                  token_counters + Int64(tg) * v1.WORD_BYTES)
             else:
-              s = item - (n1 + n_s1 + n2)
+              s = item - s2_at
               hb = s // n_tg
               tg = s - hb * n_tg
               failed = self._shared_gemm2(tg, hb, n_tok, s2.toint(), s2_scale.toint(), wsb, cur, bid, pipe,
