@@ -61,19 +61,25 @@ def parse_slot(words: np.ndarray) -> dict[str, np.ndarray]:
               used=per[:, 0] != 0)
 
 
-def summarize(words: np.ndarray, gemm1_items: int) -> LayerTimeline:
-  """The phases of one call slot; ``gemm1_items``: the call's GEMM1 item count (experts hit x 2I/128), the items
-  at and after it are GEMM2 items (routed-only variants)."""
+def _records(words: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, np.ndarray]:
+  """(head, the stamped CTAs' words [n, 8], the call's first stamp t0, every recorded item [m, 4])."""
   s = parse_slot(words)
   head, cta, used = s["head"].astype(np.int64), s["cta"].astype(np.int64), s["used"]
   if not used.any() or head[0] == 0:
     raise ValueError("timeline: the slot holds no stamps (was the build GCMOE_ABLATION=timeline?)")
   c = cta[used]
   t0 = int(min(head[0], c[:, 0].min()))
-  us = lambda t: (np.asarray(t, np.float64) - t0) / 1e3
   n = np.minimum(c[:, 4], abi.TL_ITEMS)
   items = s["item"][used].astype(np.int64)
   rec = np.concatenate([items[i, :n[i]] for i in range(len(c))]) if n.sum() else np.zeros((0, 4), np.int64)
+  return head, c, t0, rec
+
+
+def summarize(words: np.ndarray, gemm1_items: int) -> LayerTimeline:
+  """The phases of one call slot; ``gemm1_items``: the call's GEMM1 item count (experts hit x 2I/128), the items
+  at and after it are GEMM2 items (routed-only variants)."""
+  head, c, t0, rec = _records(words)
+  us = lambda t: (np.asarray(t, np.float64) - t0) / 1e3
   g1 = rec[rec[:, 0] < gemm1_items]
   g2 = rec[rec[:, 0] >= gemm1_items]
   dur = lambda r, a, b: (r[:, b] - r[:, a]) / 1e3
@@ -122,15 +128,7 @@ def item_ranges(n1: int, n2: int, n_s1: int = 0, n_s2: int = 0,
 
 def item_stats(words: np.ndarray, ranges: dict[str, tuple[int, int]]) -> list[ItemStats]:
   """Per item kind of ``ranges`` (`item_ranges`) with at least one recorded item, its `ItemStats`."""
-  s = parse_slot(words)
-  head, cta, used = s["head"].astype(np.int64), s["cta"].astype(np.int64), s["used"]
-  if not used.any() or head[0] == 0:
-    raise ValueError("timeline: the slot holds no stamps (was the build GCMOE_ABLATION=timeline?)")
-  c = cta[used]
-  t0 = int(min(head[0], c[:, 0].min()))
-  n = np.minimum(c[:, 4], abi.TL_ITEMS)
-  items = s["item"][used].astype(np.int64)
-  rec = np.concatenate([items[i, :n[i]] for i in range(len(c))]) if n.sum() else np.zeros((0, 4), np.int64)
+  _, _, t0, rec = _records(words)
   out = []
   for kind, (lo, hi) in ranges.items():
     r = rec[(rec[:, 0] >= lo) & (rec[:, 0] < hi)]
