@@ -324,6 +324,21 @@ def test_manifest_round_trips(built, cache, monkeypatch):
   assert len([p for p in cache.iterdir() if p.name.startswith(".")]) == 0, "no temporary build left behind"
 
 
+def test_the_report_names_the_fused_variants_ranks_and_return_path():
+  """`--report` rows tell the one-rank, fused direct and fused relay builds of one shape apart."""
+  from gcmoe_jax.commands import build_kernels
+
+  def summary(ranks, relay):
+    v = dataclasses.asdict(Variant(512, 256, 4, 4, 16, ranks=ranks, relay=relay))
+    return {"variant": v, "arch": "sm_90a", "key": f"k{ranks}{relay}", "registers": [64, 128, 40],
+            "dynamic_smem": [0, 100352, 0], "static_smem": [0, 1024, 0], "local_bytes": [0, 16, 0],
+            "spill_bytes": [0, 12, 0], "ctas_per_sm": [2, 2, 1], "fp4_weights": "compact"}
+
+  rows = build_kernels._report_rows([summary(1, False), summary(2, False), summary(2, True)])
+  names = [r.split(" | ")[0] for r in rows[2:]]
+  assert names == ["| H512 I256 E4 k4 T16", "| H512 I256 E4 k4 T16, R 2", "| H512 I256 E4 k4 T16, R 2 relay"], names
+
+
 @needs_dsl
 def test_cli_builds_into_out(built, cache, capsys, tmp_path):
   report = tmp_path / "table.md"

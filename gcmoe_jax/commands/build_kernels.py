@@ -203,7 +203,9 @@ def _report_rows(summaries: list[dict]) -> list[str]:
       # Whether the kernel's dynamic SMEM stays inside the paper's role-2 model for the same point (eqs. 9-12).
       within = "yes" if s["dynamic_smem"][1] <= pl.smem.role2 else f"no (+{s['dynamic_smem'][1] - pl.smem.role2} B)"
     shared = f" + shared Is{v['shared_intermediate']} g{v['shared_group']}" if v["shared_intermediate"] else ""
-    name = f"H{v['hidden']} I{v['intermediate']} E{v['experts']} k{v['top_k']} T{v['capacity']}{shared}"
+    ranks = v.get("ranks", 1)
+    fused = f", R {ranks}{' relay' if v.get('relay') else ''}" if ranks > 1 else ""
+    name = f"H{v['hidden']} I{v['intermediate']} E{v['experts']} k{v['top_k']} T{v['capacity']}{shared}{fused}"
     rows.append(f"| {name} | {s['arch']} | {' / '.join(map(str, s['registers']))} | {s['dynamic_smem'][1]} + "
                 f"{s['static_smem'][1]} | {' / '.join(map(str, s['local_bytes']))} | "
                 f"{' / '.join(map(str, s['spill_bytes']))} | {c} | {fp4} | {fits} | {model} | {within} |")
