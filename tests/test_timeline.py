@@ -60,8 +60,6 @@ def test_item_ranges_follow_role_2s_queue_order():
                                             "routed GEMM2": (256, 640), "shared GEMM2": (640, 640)}
   assert timeline.item_ranges(256, 384, 64, 96) == {"routed GEMM1": (0, 256), "shared GEMM1": (256, 320),
                                                     "routed GEMM2": (320, 704), "shared GEMM2": (704, 800)}
-  assert timeline.item_ranges(256, 384, 64, 96, shared_first=True) == {
-    "shared GEMM1": (0, 64), "routed GEMM1": (64, 320), "shared GEMM2": (320, 416), "routed GEMM2": (416, 800)}
 
 
 def test_item_stats_separate_the_kinds():

@@ -111,16 +111,12 @@ class ItemStats:
   max_us: float
 
 
-def item_ranges(n1: int, n2: int, n_s1: int = 0, n_s2: int = 0,
-                shared_first: bool = False) -> dict[str, tuple[int, int]]:
+def item_ranges(n1: int, n2: int, n_s1: int = 0, n_s2: int = 0) -> dict[str, tuple[int, int]]:
   """Each item kind's [first, end) in role 2's queue (`roles_v2.RoleKernelsV2.role2_tc`): routed GEMM1, shared
-  GEMM1, routed GEMM2, shared GEMM2, or with ``shared_first`` (``GCMOE_ABLATION=sharedfirst``) shared GEMM1, routed
-  GEMM1, shared GEMM2, routed GEMM2."""
-  order = ((("shared GEMM1", n_s1), ("routed GEMM1", n1), ("shared GEMM2", n_s2), ("routed GEMM2", n2))
-           if shared_first else
-           (("routed GEMM1", n1), ("shared GEMM1", n_s1), ("routed GEMM2", n2), ("shared GEMM2", n_s2)))
+  GEMM1, routed GEMM2, shared GEMM2. (``GCMOE_ABLATION=sharedfirst``'s order has no timeline: the timeline is an
+  ablation build of its own.)"""
   out, at = {}, 0
-  for kind, n in order:
+  for kind, n in (("routed GEMM1", n1), ("shared GEMM1", n_s1), ("routed GEMM2", n2), ("shared GEMM2", n_s2)):
     out[kind] = (at, at + n)
     at += n
   return out
@@ -178,7 +174,6 @@ def _run(model: str, batches: Sequence[int], chain: int, shared: bool, save: str
   rows, kinds, raw_slots = [], [], {}
   j1, j2 = 2 * shape.intermediate // 128, shape.hidden // 128
   n_cb, n_hb = (shape.shared_intermediate // 32, shape.hidden // 64) if shared else (0, 0)
-  first = _config.get("GCMOE_ABLATION") == "sharedfirst"
   for b in batches:
     x, ids, rw, _, _ = p.inputs(b, chain)
     fn, args = sweep._impl_call("gcmoe:cuda", p, x, ids, rw)  # noqa: SLF001
@@ -196,8 +191,7 @@ def _run(model: str, batches: Sequence[int], chain: int, shared: bool, save: str
       rows.append((b, layer, t))
       # The shared expert's token groups (8 or 16 tokens, by the variant) from the item count: n_tg (n_cb + n_hb).
       n_tg = (t.items - hit * (j1 + j2)) // (n_cb + n_hb) if shared else 0
-      kinds.append((b, layer, item_stats(slots[si], item_ranges(hit * j1, hit * j2, n_tg * n_cb, n_tg * n_hb,
-                                                                first))))
+      kinds.append((b, layer, item_stats(slots[si], item_ranges(hit * j1, hit * j2, n_tg * n_cb, n_tg * n_hb))))
   if save:
     np.savez_compressed(save, **raw_slots)
   return rows, kinds
