@@ -62,6 +62,13 @@ def test_item_ranges_follow_role_2s_queue_order():
                                                     "routed GEMM2": (320, 704), "shared GEMM2": (704, 800)}
 
 
+def test_call_ranges_count_the_shared_token_groups_from_the_items():
+  # GLM5.2 B = 1 (8 experts hit, one group) and B = 64 with groups of 16 (4 groups); routed only
+  assert timeline.call_ranges(800, 8, 32, 48, 64, 96) == timeline.item_ranges(256, 384, 64, 96)
+  assert timeline.call_ranges(32 * 80 + 4 * 160, 32, 32, 48, 64, 96) == timeline.item_ranges(1024, 1536, 256, 384)
+  assert timeline.call_ranges(640, 8, 32, 48) == timeline.item_ranges(256, 384)
+
+
 def test_item_stats_separate_the_kinds():
   w, t0 = _slot(np.random.default_rng(1))
   # items 0, 1: routed GEMM1; 2: shared GEMM1; 3: routed GEMM2; 4: shared GEMM2

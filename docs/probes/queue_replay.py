@@ -18,9 +18,9 @@ from gcmoe_jax.bench import timeline as tl
 
 def measured(words, hit, j1, j2, n_cb, n_hb):
   """Per-kind pure work times (us): GEMM1 claim to end, GEMM2 from the end of its wait to its end."""
-  _, c, t0, rec = tl._records(words)
-  n_tg = (len(rec) - hit * (j1 + j2)) // (n_cb + n_hb)
-  r = tl.item_ranges(hit * j1, hit * j2, n_tg * n_cb, n_tg * n_hb)
+  _, c, t0, rec = tl.records(words)
+  r = tl.call_ranges(len(rec), hit, j1, j2, n_cb, n_hb)
+  n_tg = (r["shared GEMM1"][1] - r["shared GEMM1"][0]) // n_cb
   pick = lambda k: rec[(rec[:, 0] >= r[k][0]) & (rec[:, 0] < r[k][1])]
   r1, s1, r2, s2 = (pick(k) for k in ("routed GEMM1", "shared GEMM1", "routed GEMM2", "shared GEMM2"))
   s1_end = s1[:, 3].max() if len(s1) else 0

@@ -23,8 +23,8 @@ import numpy as np
 from gcmoe_jax import _config
 from gcmoe_jax.kernels import abi
 
-__all__ = ["ItemStats", "LayerTimeline", "item_ranges", "item_stats", "kinds_markdown", "parse_slot", "summarize",
-           "to_markdown"]
+__all__ = ["ItemStats", "LayerTimeline", "call_ranges", "item_ranges", "item_stats", "kinds_markdown", "parse_slot",
+           "records", "summarize", "to_markdown"]
 
 
 @dataclasses.dataclass
@@ -61,8 +61,9 @@ def parse_slot(words: np.ndarray) -> dict[str, np.ndarray]:
               used=per[:, 0] != 0)
 
 
-def _records(words: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, np.ndarray]:
-  """(head, the stamped CTAs' words [n, 8], the call's first stamp t0, every recorded item [m, 4])."""
+def records(words: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, np.ndarray]:
+  """One call slot's (head, the stamped CTAs' words [n, 8], the call's first stamp t0 in ns, every recorded item
+  [m, 4]: item, start, MMA start, end)."""
   s = parse_slot(words)
   head, cta, used = s["head"].astype(np.int64), s["cta"].astype(np.int64), s["used"]
   if not used.any() or head[0] == 0:
@@ -78,7 +79,7 @@ def _records(words: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, np.ndarray
 def summarize(words: np.ndarray, gemm1_items: int) -> LayerTimeline:
   """The phases of one call slot; ``gemm1_items``: the call's GEMM1 item count (experts hit x 2I/128), the items
   at and after it are GEMM2 items (routed-only variants)."""
-  head, c, t0, rec = _records(words)
+  head, c, t0, rec = records(words)
   us = lambda t: (np.asarray(t, np.float64) - t0) / 1e3
   g1 = rec[rec[:, 0] < gemm1_items]
   g2 = rec[rec[:, 0] >= gemm1_items]
@@ -122,9 +123,18 @@ def item_ranges(n1: int, n2: int, n_s1: int = 0, n_s2: int = 0) -> dict[str, tup
   return out
 
 
+def call_ranges(items: int, hit: int, j1: int, j2: int, n_cb: int = 0,
+                n_hb: int = 0) -> dict[str, tuple[int, int]]:
+  """`item_ranges` of a call with ``items`` items in all, ``hit`` experts hit, ``j1``/``j2`` routed GEMM1/GEMM2
+  items per expert and ``n_cb``/``n_hb`` shared GEMM1/GEMM2 items per token group (0: no shared expert); the
+  token groups (8 or 16 tokens, by the variant) follow from the count: items = hit (j1 + j2) + groups (n_cb + n_hb)."""
+  groups = (items - hit * (j1 + j2)) // (n_cb + n_hb) if n_cb + n_hb else 0
+  return item_ranges(hit * j1, hit * j2, groups * n_cb, groups * n_hb)
+
+
 def item_stats(words: np.ndarray, ranges: dict[str, tuple[int, int]]) -> list[ItemStats]:
   """Per item kind of ``ranges`` (`item_ranges`) with at least one recorded item, its `ItemStats`."""
-  _, _, t0, rec = _records(words)
+  _, _, t0, rec = records(words)
   out = []
   for kind, (lo, hi) in ranges.items():
     r = rec[(rec[:, 0] >= lo) & (rec[:, 0] < hi)]
@@ -189,9 +199,7 @@ def _run(model: str, batches: Sequence[int], chain: int, shared: bool, save: str
       hit = np.unique(ids_np[layer][ids_np[layer] >= 0]).size
       t = summarize(slots[si], hit * j1)
       rows.append((b, layer, t))
-      # The shared expert's token groups (8 or 16 tokens, by the variant) from the item count: n_tg (n_cb + n_hb).
-      n_tg = (t.items - hit * (j1 + j2)) // (n_cb + n_hb) if shared else 0
-      kinds.append((b, layer, item_stats(slots[si], item_ranges(hit * j1, hit * j2, n_tg * n_cb, n_tg * n_hb))))
+      kinds.append((b, layer, item_stats(slots[si], call_ranges(t.items, hit, j1, j2, n_cb, n_hb))))
   if save:
     np.savez_compressed(save, **raw_slots)
   return rows, kinds
