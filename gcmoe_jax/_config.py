@@ -27,9 +27,10 @@ def _kernels(text: str) -> str:
 
 def _ablation(text: str) -> str:
   if text not in ("", "nomath", "nogemm2", "widedecode", "tma", "static", "evenbodies",
-                  "timeline", "nosingle", "twoplane", "stagebar", "sharedfirst"):
+                  "timeline", "nosingle", "twoplane", "stagebar", "sharedfirst",
+                  "routedfirst"):
     raise ValueError("expected nomath, nogemm2, widedecode, tma, static, evenbodies, timeline, nosingle, twoplane, "
-                     "stagebar, sharedfirst or empty")
+                     "stagebar, sharedfirst, routedfirst or empty")
   return text
 
 
@@ -81,9 +82,10 @@ VARS = {v.name: v for v in (
                                        "results exact, for A/B timing; twoplane: the wide passes' instruction mix "
                                        "of two FP16 digit planes (4 MMAs, a 3-instruction epilogue), results "
                                        "wrong, timing only; stagebar: a CTA barrier per K128 stage in narrow "
-                                       "passes too, results exact, for A/B timing; sharedfirst: the shared "
-                                       "expert's GEMM1 items before the routed ones and its GEMM2 items before "
-                                       "theirs, results exact, for A/B timing); "
+                                       "passes too, results exact, for A/B timing; sharedfirst / routedfirst: "
+                                       "role 2's queue with the shared expert's items before the routed ones "
+                                       "(GEMM1, then GEMM2) / after them in every variant (by default: shared "
+                                       "first up to 32 tokens), results exact, for A/B timing); "
                                        "part of the cubin key"),
   Var("GCMOE_WAIT_TIMEOUT_MS", _wait_ms, 2000, "bound of every device spin-wait; expiry becomes a Python exception"),
   Var("GCMOE_FIRST_WAIT_TIMEOUT_MS", _wait_ms, 120_000, "bound of the spin-waits of the first call of the fused "

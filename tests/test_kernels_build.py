@@ -535,13 +535,14 @@ def test_narrow_passes_of_routed_variants_meet_at_a_barrier_every_two_stages(bui
 
 @needs_dsl
 @pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
-def test_the_sharedfirst_build_changes_only_role_2s_item_order(cache, monkeypatch):
-  """GCMOE_ABLATION=sharedfirst (the shared expert's items first, for A/B timing) builds under its own key, with
-  roles 1 and 3 as they are and role 2's MMAs and stores unchanged in number: only the item decode differs."""
+def test_the_routedfirst_build_changes_only_role_2s_item_order(cache, monkeypatch):
+  """GCMOE_ABLATION=routedfirst (the routed items first, the queue before session 18, for A/B timing) builds under
+  its own key, with roles 1 and 3 as they are and role 2's MMAs and stores unchanged in number: only the item
+  decode differs."""
   normal = build.compile_variant("sm_90a", SMALL_SHARED, cache_dir=cache)
-  monkeypatch.setenv("GCMOE_ABLATION", "sharedfirst")
+  monkeypatch.setenv("GCMOE_ABLATION", "routedfirst")
   first = build.compile_variant("sm_90a", SMALL_SHARED, cache_dir=cache)
-  assert "+sharedfirst-" in first["key"] and first["key"] != normal["key"]
+  assert "+routedfirst-" in first["key"] and first["key"] != normal["key"]
   for role in (1, 3):
     assert _ptx(first, role) == _ptx(normal, role)
   a, b = _ptx(normal, 2), _ptx(first, 2)
@@ -625,3 +626,24 @@ def test_every_preset_names_valid_distinct_variants():
     for r in (2, 4, 8):
       for cap in (8, 16, 32, 64, 256):
         assert paper[(m.H, m.E // r, r, cap)] == geometry.relay_staging(r, cap, cap, m.k, m.E // r, m.H, False)[0]
+
+
+@needs_dsl
+def test_an_ablation_build_may_spill_more_than_a_normal_one(monkeypatch):
+  """The spill guard: two-CTA role 2 may spill `_SPILL_BUDGET` (48 B) in a normal build, `_ABLATION_SPILL_BUDGET`
+  (128 B) plus a stack slot in a GCMOE_ABLATION build (timing or diagnostic only); the message names the bound."""
+  entry = {"name": "k", "reqntid": [256, 1, 1],
+           "params": [{"type": t, "decl": f"{t} p{i}"} for i, t in enumerate(build._PTX_PARAM_TYPES)]}
+  res = lambda spill, local: {"registers": 128, "spill_bytes": spill, "local_bytes": local, "static_smem": 0}
+  monkeypatch.delenv("GCMOE_ABLATION", raising=False)
+  build._check_role(2, SMALL, "sm_90a", entry, res(48, 48), ctas=2)
+  with pytest.raises(BuildError, match=r"spills 96 B .*at most 48 B\)"):
+    build._check_role(2, SMALL, "sm_90a", entry, res(96, 96), ctas=2)
+  with pytest.raises(BuildError, match="56 B of local memory"):
+    build._check_role(2, SMALL, "sm_90a", entry, res(48, 56), ctas=2)
+  monkeypatch.setenv("GCMOE_ABLATION", "stagebar")
+  build._check_role(2, SMALL, "sm_90a", entry, res(96, 104), ctas=2)
+  with pytest.raises(BuildError, match="at most 128 B in an ablation build"):
+    build._check_role(2, SMALL, "sm_90a", entry, res(136, 136), ctas=2)
+  with pytest.raises(BuildError, match="must not spill"):  # one-CTA kernels never spill, ablation or not
+    build._check_role(2, SMALL, "sm_90a", entry, res(8, 8), ctas=1)

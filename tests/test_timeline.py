@@ -35,6 +35,8 @@ def test_summarize_reads_the_phases_and_items():
   busy = (30.0 + 19.5 + 31.0 + 27.9 + 14.8) / (2 * (86.001 - 9.1))
   assert t.busy == pytest.approx(busy, rel=1e-6)
   assert "| 1 | 0 |" in timeline.to_markdown([(1, 0, t)])
+  assert timeline.summarize(w, (0, 3)) == t  # the routed GEMM1 items as a range of the queue
+  assert timeline.summarize(w, (3, 5)).gemm1 == (40.5, 85.0)  # e.g. after the shared expert's GEMM1 items
 
 
 def test_summarize_rejects_an_empty_slot_and_a_bad_shape():
@@ -56,10 +58,18 @@ def test_the_timeline_follows_the_workspace_in_the_runtime_allocation(monkeypatc
 
 
 def test_item_ranges_follow_role_2s_queue_order():
-  assert timeline.item_ranges(256, 384) == {"routed GEMM1": (0, 256), "shared GEMM1": (256, 256),
-                                            "routed GEMM2": (256, 640), "shared GEMM2": (640, 640)}
-  assert timeline.item_ranges(256, 384, 64, 96) == {"routed GEMM1": (0, 256), "shared GEMM1": (256, 320),
-                                                    "routed GEMM2": (320, 704), "shared GEMM2": (704, 800)}
+  small, large = abi.item_order(8), abi.item_order(64)  # shared first up to 32 tokens, routed first above
+  for order in (small, large):  # routed only, the orders agree
+    r = timeline.item_ranges(256, 384, order=order)
+    assert (r["routed GEMM1"], r["routed GEMM2"]) == ((0, 256), (256, 640)) and not any(
+      hi - lo for k, (lo, hi) in r.items() if k.startswith("shared"))
+  assert timeline.item_ranges(256, 384, 64, 96, small) == {"shared GEMM1": (0, 64), "routed GEMM1": (64, 320),
+                                                           "shared GEMM2": (320, 416), "routed GEMM2": (416, 800)}
+  assert timeline.item_ranges(256, 384, 64, 96, large) == {"routed GEMM1": (0, 256), "shared GEMM1": (256, 320),
+                                                           "routed GEMM2": (320, 704), "shared GEMM2": (704, 800)}
+  assert abi.item_order(32) == small and abi.item_order(33) == large
+  assert abi.item_order(8, "routedfirst") == large and abi.item_order(256, "sharedfirst") == small
+  assert abi.item_order(8, "timeline") == small  # the timeline build keeps the default queue
 
 
 def test_call_ranges_count_the_shared_token_groups_from_the_items():
@@ -71,8 +81,8 @@ def test_call_ranges_count_the_shared_token_groups_from_the_items():
 
 def test_item_stats_separate_the_kinds():
   w, t0 = _slot(np.random.default_rng(1))
-  # items 0, 1: routed GEMM1; 2: shared GEMM1; 3: routed GEMM2; 4: shared GEMM2
-  stats = timeline.item_stats(w, timeline.item_ranges(2, 1, 1, 1))
+  # items 0, 1: routed GEMM1; 2: shared GEMM1; 3: routed GEMM2; 4: shared GEMM2 (the routed-first queue)
+  stats = timeline.item_stats(w, timeline.item_ranges(2, 1, 1, 1, abi.item_order(64)))
   got = {k.kind: k for k in stats}
   assert [k.items for k in stats] == [2, 1, 1, 1]
   assert got["routed GEMM1"].first_start == 10.0 and got["routed GEMM1"].last_end == 42.0

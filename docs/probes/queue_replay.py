@@ -1,8 +1,12 @@
-"""Replays role 2's item queue of one timeline call with the measured item times, in the default order and with
-GCMOE_ABLATION=sharedfirst's, to predict the layer's end (docs/kernels_v2.md "What is left").
+"""Replays role 2's item queue of one timeline call with the measured item times, with the routed items first and
+with the shared expert's first (`abi.item_order`), to predict the layer's end (docs/kernels_v2.md "The shared
+expert's items first").
 
     GCMOE_ABLATION=timeline python -m gcmoe_jax.bench.timeline --model glm5.2 --shared --batch 1 --save tl.npz
-    python docs/probes/queue_replay.py tl.npz      # anywhere the package imports (no GPU)
+    python docs/probes/queue_replay.py tl.npz [routedfirst]   # anywhere the package imports (no GPU)
+
+The second argument names the order the timeline was recorded in: ``routedfirst`` for a timeline of the kernels
+before session 18 (the one of docs/kernels_v2.md), else the default order of the batch's variant.
 
 The model: every CTA claims the next item when it is free (the queue), an item takes its kind's median time, a
 GEMM2 item starts after its expert's (or token group's) GEMM1 items; GLM5.2's item counts per expert and group.
@@ -14,12 +18,13 @@ import sys
 import numpy as np
 
 from gcmoe_jax.bench import timeline as tl
+from gcmoe_jax.kernels import abi
 
 
-def measured(words, hit, j1, j2, n_cb, n_hb):
+def measured(words, hit, j1, j2, n_cb, n_hb, order):
   """Per-kind pure work times (us): GEMM1 claim to end, GEMM2 from the end of its wait to its end."""
   _, c, t0, rec = tl.records(words)
-  r = tl.call_ranges(len(rec), hit, j1, j2, n_cb, n_hb)
+  r = tl.call_ranges(len(rec), hit, j1, j2, n_cb, n_hb, order)
   n_tg = (r["shared GEMM1"][1] - r["shared GEMM1"][0]) // n_cb
   pick = lambda k: rec[(rec[:, 0] >= r[k][0]) & (rec[:, 0] < r[k][1])]
   r1, s1, r2, s2 = (pick(k) for k in ("routed GEMM1", "shared GEMM1", "routed GEMM2", "shared GEMM2"))
@@ -67,15 +72,17 @@ def simulate(order, work, start, ctas, hit, j1, j2, n_tg, n_cb, n_hb):
 
 if __name__ == "__main__":
   z = np.load(sys.argv[1])
+  recorded_as = sys.argv[2] if len(sys.argv) > 2 else ""
   hit_of = lambda ids, layer: np.unique(ids[layer][ids[layer] >= 0]).size
   j1, j2, n_cb, n_hb = 32, 48, 64, 96  # GLM5.2: 2I/128, H/128, Is/32, H/64
   for key in [k for k in z.files if k.startswith("slots_b")]:
     b = int(key[7:])
+    recorded = abi.item_order(b, recorded_as)  # B <= 32 iff the variant's capacity is
     for layer in range(len(z[key])):
       hit = hit_of(z[f"ids_b{b}"], layer)
-      work, start, end, ctas, n_tg = measured(z[key][layer], hit, j1, j2, n_cb, n_hb)
+      work, start, end, ctas, n_tg = measured(z[key][layer], hit, j1, j2, n_cb, n_hb, recorded)
       args = (work, start, ctas, hit, j1, j2, n_tg, n_cb, n_hb)
       d = simulate(("R1", "S1", "R2", "S2"), *args)
       f = simulate(("S1", "R1", "S2", "R2"), *args)
-      print(f"B={b} layer {layer}: measured end {end:.1f} us; replayed default {d:.1f}, sharedfirst {f:.1f}; "
+      print(f"B={b} layer {layer}: measured end {end:.1f} us; replayed routed first {d:.1f}, shared first {f:.1f}; "
             f"work medians " + ", ".join(f"{k} {np.median(v):.1f}" for k, v in work.items() if len(v)))

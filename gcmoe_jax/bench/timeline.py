@@ -76,13 +76,16 @@ def records(words: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, np.ndarray]
   return head, c, t0, rec
 
 
-def summarize(words: np.ndarray, gemm1_items: int) -> LayerTimeline:
-  """The phases of one call slot; ``gemm1_items``: the call's GEMM1 item count (experts hit x 2I/128), the items
-  at and after it are GEMM2 items (routed-only variants)."""
+def summarize(words: np.ndarray, gemm1_items: int | tuple[int, int]) -> LayerTimeline:
+  """The phases of one call slot; ``gemm1_items``: the queue's routed GEMM1 items, as [first, end) or as their
+  count from 0 (experts hit x 2I/128); every other item counts as GEMM2 (in routed-only variants: the GEMM2 items;
+  the shared expert's kinds are in `item_stats`)."""
   head, c, t0, rec = records(words)
   us = lambda t: (np.asarray(t, np.float64) - t0) / 1e3
-  g1 = rec[rec[:, 0] < gemm1_items]
-  g2 = rec[rec[:, 0] >= gemm1_items]
+  lo, hi = (0, gemm1_items) if isinstance(gemm1_items, int) else gemm1_items
+  in_g1 = (rec[:, 0] >= lo) & (rec[:, 0] < hi)
+  g1 = rec[in_g1]
+  g2 = rec[~in_g1]
   dur = lambda r, a, b: (r[:, b] - r[:, a]) / 1e3
   stat = lambda d: (float(np.median(d)), float(d.max())) if d.size else (0.0, 0.0)
   last_table = c[:, 2].max()
@@ -112,24 +115,25 @@ class ItemStats:
   max_us: float
 
 
-def item_ranges(n1: int, n2: int, n_s1: int = 0, n_s2: int = 0) -> dict[str, tuple[int, int]]:
-  """Each item kind's [first, end) in role 2's queue (`roles_v2.RoleKernelsV2.role2_tc`): routed GEMM1, shared
-  GEMM1, routed GEMM2, shared GEMM2. (``GCMOE_ABLATION=sharedfirst``'s order has no timeline: the timeline is an
-  ablation build of its own.)"""
+def item_ranges(n1: int, n2: int, n_s1: int = 0, n_s2: int = 0,
+                order: Sequence[str] = abi.ITEM_ORDER_ROUTED_FIRST) -> dict[str, tuple[int, int]]:
+  """Each item kind's [first, end) in role 2's queue, its kinds in ``order`` (`abi.item_order` of the variant; the
+  timeline build keeps the default order; without the shared expert both orders are the same)."""
+  sizes = {"routed GEMM1": n1, "routed GEMM2": n2, "shared GEMM1": n_s1, "shared GEMM2": n_s2}
   out, at = {}, 0
-  for kind, n in (("routed GEMM1", n1), ("shared GEMM1", n_s1), ("routed GEMM2", n2), ("shared GEMM2", n_s2)):
-    out[kind] = (at, at + n)
-    at += n
+  for kind in order:
+    out[kind] = (at, at + sizes[kind])
+    at += sizes[kind]
   return out
 
 
-def call_ranges(items: int, hit: int, j1: int, j2: int, n_cb: int = 0,
-                n_hb: int = 0) -> dict[str, tuple[int, int]]:
+def call_ranges(items: int, hit: int, j1: int, j2: int, n_cb: int = 0, n_hb: int = 0,
+                order: Sequence[str] = abi.ITEM_ORDER_ROUTED_FIRST) -> dict[str, tuple[int, int]]:
   """`item_ranges` of a call with ``items`` items in all, ``hit`` experts hit, ``j1``/``j2`` routed GEMM1/GEMM2
   items per expert and ``n_cb``/``n_hb`` shared GEMM1/GEMM2 items per token group (0: no shared expert); the
   token groups (8 or 16 tokens, by the variant) follow from the count: items = hit (j1 + j2) + groups (n_cb + n_hb)."""
   groups = (items - hit * (j1 + j2)) // (n_cb + n_hb) if n_cb + n_hb else 0
-  return item_ranges(hit * j1, hit * j2, groups * n_cb, groups * n_hb)
+  return item_ranges(hit * j1, hit * j2, groups * n_cb, groups * n_hb, order)
 
 
 def item_stats(words: np.ndarray, ranges: dict[str, tuple[int, int]]) -> list[ItemStats]:
@@ -195,11 +199,14 @@ def _run(model: str, batches: Sequence[int], chain: int, shared: bool, save: str
     order = np.argsort(slots[:, 4].astype(np.int64))[-chain:]  # the last call's layers, in order
     ids_np = np.asarray(ids)
     raw_slots[f"slots_b{b}"], raw_slots[f"ids_b{b}"] = slots[order], ids_np
+    queue = abi.item_order(_cuda.capacity_for(min(b, _cuda.CAPACITIES[-1])), _config.get("GCMOE_ABLATION"))
     for layer, si in enumerate(order):
       hit = np.unique(ids_np[layer][ids_np[layer] >= 0]).size
-      t = summarize(slots[si], hit * j1)
+      items = int(records(slots[si])[1][:, 4].sum())
+      ranges = call_ranges(items, hit, j1, j2, n_cb, n_hb, queue)
+      t = summarize(slots[si], ranges["routed GEMM1"])
       rows.append((b, layer, t))
-      kinds.append((b, layer, item_stats(slots[si], call_ranges(t.items, hit, j1, j2, n_cb, n_hb))))
+      kinds.append((b, layer, item_stats(slots[si], ranges)))
   if save:
     np.savez_compressed(save, **raw_slots)
   return rows, kinds
@@ -219,8 +226,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("timeline: set GCMOE_ABLATION=timeline (the stamping build of the kernels)", file=sys.stderr)
     return 2
   if a.shared:
-    print("timeline: note: the first table's GEMM1/GEMM2 columns are the routed items' and the shared items after "
-          "them (the second table separates the kinds)", file=sys.stderr)
+    print("timeline: note: the first table's GEMM1 columns are the routed GEMM1 items', its GEMM2 columns every other "
+          "item's (the second table separates the kinds)", file=sys.stderr)
   rows, kinds = _run(a.model, [int(v) for v in a.batch.split(",")], a.chain, a.shared, a.save)
   print(to_markdown(rows))
   print()

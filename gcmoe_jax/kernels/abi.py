@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["HEADER", "PARAMS", "Workspace", "counter_words", "fused_counters", "pull_cache", "queue_counter",
-           "relay_counters", "workspace_layout", "SILU_TABLE_ENTRIES"]
+__all__ = ["HEADER", "PARAMS", "Workspace", "counter_words", "fused_counters", "item_order",
+           "pull_cache", "queue_counter", "relay_counters", "workspace_layout", "SILU_TABLE_ENTRIES"]
 
 # Kernel parameter names, in order: 13 pointers, then T (int32) and clamp (float32).
 PARAMS = ("x", "ids", "route_weights", "w13", "w13_scale", "w2", "w2_scale", "s13", "s13_scale", "s2", "s2_scale",
@@ -192,6 +192,26 @@ def queue_counter(experts: int, capacity: int, shared: bool, ranks: int = 1, rel
   """Word index, in one parity of ``counters``, of role 2's item queue: each CTA claims its next work item by an
   atomic add on it (items in the order of `roles_v2.RoleKernelsV2.role2_tc`), role 3 zeroes it for the next call."""
   return experts + 1 + (capacity if shared else 0) + (2 if ranks > 1 else 0) + (experts if relay else 0)
+
+
+# Role 2's item queue (`roles_v2.RoleKernelsV2.role2_tc`): the item kinds in claim order. Every wait is for an
+# earlier item (a routed GEMM2 item for its expert's GEMM1 items, a shared GEMM2 item for its token group's GEMM1
+# items), so with the whole grid resident no CTA waits on an item a waiting CTA holds. The shared expert's GEMM1
+# needs only phase 0, so in variants of up to `SHARED_FIRST_TOKENS` tokens its items go first, beside the routed
+# GEMM1 from the start; above, the routed ones (H200, session 18: shared first was up to 13 % faster at B <= 32 and
+# 0.4-1.8 % slower at B >= 128; docs/kernels_v2.md "The shared expert's items first").
+# `GCMOE_ABLATION=sharedfirst` / `routedfirst` build one order in every variant, for A/B timing.
+ITEM_ORDER_SHARED_FIRST = ("shared GEMM1", "routed GEMM1", "shared GEMM2", "routed GEMM2")
+ITEM_ORDER_ROUTED_FIRST = ("routed GEMM1", "shared GEMM1", "routed GEMM2", "shared GEMM2")
+SHARED_FIRST_TOKENS = 32
+
+
+def item_order(capacity: int, ablation: str = "") -> tuple[str, ...]:
+  """The queue's item kinds in claim order in a variant of token capacity ``capacity``, for a build of
+  ``GCMOE_ABLATION=ablation``."""
+  if ablation == "routedfirst" or (ablation != "sharedfirst" and capacity > SHARED_FIRST_TOKENS):
+    return ITEM_ORDER_ROUTED_FIRST
+  return ITEM_ORDER_SHARED_FIRST
 
 
 def relay_counters(experts: int, capacity: int, shared: bool) -> int:

@@ -73,6 +73,10 @@ _STATIC_SMEM_LIMIT = 48 * 1024  # static __shared__ above this needs dynamic SME
 # ptxas spills 8-16 B there with the cp.async producer, up to 40 B with the TMA producer on sm_90a (docs/kernels_v2.md);
 # every other kernel must not spill.
 _SPILL_BUDGET = {2: 48}
+# A `GCMOE_ABLATION` build (timing or diagnostic, never loaded by a normal run: the ablation is in its key) may spill
+# more: the timeline's stamps cost the shared-expert two-CTA role 2 ~100 B, and an ablation's changed code a stack
+# slot (its meta.json and the build report still record the spills).
+_ABLATION_SPILL_BUDGET = {2: 128}
 # The stack frame ptxas gives an sm_120a kernel that issues TMA through a by-value TensorMap, without spilling (nvcc's
 # own __grid_constant__ CUtensorMap kernels show it too; sm_90a has none).
 _TENSORMAP_FRAME = 8
@@ -358,13 +362,15 @@ def _check_role(role: int, variant: Variant, arch: str, entry: dict[str, Any], r
     raise BuildError(f"build: {where}: the cubin's .nv.info has no EIATTR_FRAME_SIZE for {entry['name']}; cannot "
                      f"check local memory (cubin format changed?)")
   spills = res.get("spill_bytes", res["local_bytes"])
-  if spills > (_SPILL_BUDGET.get(role, 0) if ctas > 1 else 0):
+  ablation = bool(_config.get("GCMOE_ABLATION"))
+  budget = (_ABLATION_SPILL_BUDGET if ablation else _SPILL_BUDGET).get(role, 0) if ctas > 1 else 0
+  if spills > budget:
     raise BuildError(f"build: {where}: the kernel spills {spills} B of registers to local memory with "
                      f"{res['registers']} registers; the kernels must not spill (two-CTA role 2: at most "
-                     f"{_SPILL_BUDGET.get(role, 0)} B)")
+                     f"{budget} B{' in an ablation build' if ablation else ''})")
   frame = -(-spills // 8) * 8 + (_TENSORMAP_FRAME if maps and arch.startswith("sm_12") else 0)
-  if _config.timeline_build() and ctas > 1:
-    frame = max(frame, _SPILL_BUDGET.get(role, 0))  # a diagnostic build: its stamps may take a stack slot
+  if ablation and ctas > 1:
+    frame = max(frame + 8, _SPILL_BUDGET.get(role, 0))  # a timing or diagnostic build may take a stack slot
   if res["local_bytes"] > frame:
     raise BuildError(f"build: {where}: the kernel uses {res['local_bytes']} B of local memory (a stack frame) and "
                      f"spills {spills} B; at most {frame} B of frame is expected")

@@ -405,6 +405,11 @@ def _sign_digits(v, n: int) -> tuple[Int32, ...]:
   return tuple(out)
 
 
+def _sh_ntiles(tokens: int) -> int:
+  """The n-tiles of 8 columns a shared-expert token group of ``tokens`` (a Python int) takes."""
+  return -(-tokens // SH_TOKENS)
+
+
 def _digit_entry(code) -> Int32:
   """The decode table's word for E4M3 byte ``code`` (`SH_TAB`): bytes H1, H0, L1, L0 of its hi and lo parts."""
   h, lw = _e4m3_hl(code)
@@ -657,11 +662,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # left v1's SIMT math, those variants fit every routed-path option without spilling); the fused transport's
     # keep one per stage. `GCMOE_ABLATION=stagebar`: one per stage everywhere, for A/B timing.
     self.paired_barrier = self.ablation != "stagebar" and not self.fused
-    # The shared expert's GEMM1 items before the routed ones and its GEMM2 items before theirs
-    # (`GCMOE_ABLATION=sharedfirst`, results exact, for A/B timing): its GEMM1 needs only phase 0, and the timeline
-    # of GLM5.2 B = 1 (docs/kernels_v2.md "What is left") put the chain routed GEMM1 -> shared GEMM1 -> shared GEMM2
-    # on the critical path.
-    self.shared_first = self.ablation == "sharedfirst"
+    # Role 2's queue order (`abi.item_order`): the shared expert's items first at up to 32 tokens, else the routed.
+    self.item_order = abi.item_order(v.capacity, self.ablation)
     self.rcap = v.capacity * v.ranks
     self.tags = CTRL_BYTES // 8
     self.role1_smem = (self.tags + (self.rcap * v.top_k + 3) // 4 * 4 + 127) // 128 * 128 if self.fused else 0
@@ -1020,10 +1022,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       if tid == 0:
         self._tl_cta(wsb, cur, bid, Int32(2))
 
-    # Items, in an order where every wait is for earlier items (so, with the whole grid resident, no CTA waits on
-    # an item a waiting CTA holds): GEMM1 tiles (n1), the shared expert's GEMM1 column blocks (n_s1), GEMM2 tiles
-    # (n2, each after its expert's GEMM1 tiles), the shared expert's GEMM2 column blocks (n_s2, each after its
-    # token group's GEMM1 blocks). `GCMOE_ABLATION=sharedfirst` (A/B timing, `shared_first`): n_s1, n1, n_s2, n2.
+    # Items, in the order of `abi.item_order`: GEMM1 tiles (n1), GEMM2 tiles (n2, each after its expert's GEMM1
+    # tiles), and with the shared expert its GEMM1 column blocks (n_s1) and GEMM2 column blocks (n_s2, each after
+    # its token group's GEMM1 blocks).
     n1 = n_hit * self.j1
     n2 = n_hit * (0 if cutlass.const_expr(self.ablation == "nogemm2") else self.j2)
     n_s1 = Int32(0)
@@ -1033,6 +1034,13 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       n_s1 = n_tg * self.n_cb
       n_s2 = n_tg * self.n_hb
     n_items = cutlass.select_(ok != 0, n1 + n2 + n_s1 + n_s2, Int32(0))
+    if cutlass.const_expr(v.shared):  # where each kind's items start in the queue
+      at, sizes = {}, {"routed GEMM1": n1, "routed GEMM2": n2, "shared GEMM1": n_s1, "shared GEMM2": n_s2}
+      end = Int32(0)
+      for kind in self.item_order:
+        at[kind] = end
+        end = end + sizes[kind]
+      r1_at, r2_at, s1_at, s2_at = (at[kind] for kind in sizes)
     failed = Int32(0)
     first, step = bid, grid32
     takes = Int32(1)
@@ -1059,12 +1067,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         it = item  # the routed item (GEMM1 tiles, then GEMM2 tiles)
         routed = item < n1 + n2
         if cutlass.const_expr(v.shared):
-          if cutlass.const_expr(self.shared_first):
-            routed = ((item >= n_s1) & (item < n_s1 + n1)) | (item >= n_s1 + n1 + n_s2)
-            it = cutlass.select_(item >= n_s1 + n1 + n_s2, item - n_s1 - n_s2, item - n_s1)
-          else:
-            routed = (item < n1) | ((item >= n1 + n_s1) & (item < n1 + n_s1 + n2))
-            it = cutlass.select_(item >= n1 + n_s1, item - n_s1, item)
+          routed = ((item >= r1_at) & (item < r1_at + n1)) | ((item >= r2_at) & (item < r2_at + n2))
+          it = cutlass.select_(item >= r2_at, item - r2_at + n1, item - r1_at)  # the routed-only numbering
         if routed:
           g2 = it >= n1
           it = cutlass.select_(g2, it - n1, it)
@@ -1101,8 +1105,6 @@ class RoleKernelsV2(v1.RoleKernelsV1):
           if cutlass.const_expr(v.shared):
             token_counters = counters + Int64(v.experts + 1) * v1.WORD_BYTES
             # Column-block-major: the groups' items on the same weight rows run together (L2 reuse).
-            s1_at = Int32(0) if cutlass.const_expr(self.shared_first) else n1
-            s2_at = n_s1 + n1 if cutlass.const_expr(self.shared_first) else n1 + n_s1 + n2
             if item < s1_at + n_s1:
               s = item - s1_at
               cb = s // n_tg
@@ -1279,7 +1281,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     tid, _, _ = cute.arch.thread_idx()
     k_tiles = k // v1.K128
     n_steps = -(-k_tiles // 2)
-    ntiles = -(-tbc // SH_TOKENS)
+    ntiles = _sh_ntiles(tbc)
     for i in range(tid, self.sh.tokens * SH_ROWS, THREADS):
       _sts(sb + self.sh.acc + i * 4, Int32(0))
     _sts(sb + SH_TAB + tid * 4, _digit_entry(tid))  # 256 threads, 256 codes: read after the first step's barrier
@@ -1337,7 +1339,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       ok = (tok < nt) & (blk < nblk)
       src = ap + cutlass.select_(ok, (Int64(t0 + tok) * nblk + s * SH_STEP) * SH_BLOCK + c * 16, Int64(0))
       _cp16(sb + SH_X + (buf * sh.tokens + tok) * SH_X_STRIDE + 16 * c, src, cutlass.select_(ok, Int32(16), Int32(0)))
-    for q in range(tid, -(-tbc // SH_TOKENS) * SH_TOKENS * (SH_STEP // 4), THREADS):
+    for q in range(tid, _sh_ntiles(tbc) * SH_TOKENS * (SH_STEP // 4), THREADS):
       tok = q // (SH_STEP // 4)
       c = q - tok * (SH_STEP // 4)
       blk = s * SH_STEP + 4 * c
