@@ -117,8 +117,9 @@ class ItemStats:
 
 def item_ranges(n1: int, n2: int, n_s1: int = 0, n_s2: int = 0,
                 order: Sequence[str] = abi.ITEM_ORDER_ROUTED_FIRST) -> dict[str, tuple[int, int]]:
-  """Each item kind's [first, end) in role 2's queue, its kinds in ``order`` (`abi.item_order` of the variant; the
-  timeline build keeps the default order; without the shared expert both orders are the same)."""
+  """Each item kind's [first, end) in role 2's queue, its kinds in ``order``: `abi.item_order` of the call's variant
+  (the timeline build queues as the normal one), by default routed first (the variants above 32 tokens); without
+  the shared expert both orders are the same."""
   sizes = {"routed GEMM1": n1, "routed GEMM2": n2, "shared GEMM1": n_s1, "shared GEMM2": n_s2}
   out, at = {}, 0
   for kind in order:
