@@ -44,7 +44,8 @@ def _compare(name, y, want):
   np.testing.assert_array_equal(nan_y, nan_w, err_msg=f"{name}: NaN positions differ")
   exact = float(np.mean(y.view(np.uint32) == want.view(np.uint32))) if y.size else 1.0
   diff = float(np.max(np.abs(np.where(nan_y, 0, y - want)))) if y.size else 0.0
-  cos = accuracy.cosine(np.where(nan_y, 0, y), np.where(nan_w, 0, want)) if y.size and np.any(want) else 1.0
+  finite_w = np.where(nan_w, 0, want)
+  cos = accuracy.cosine(np.where(nan_y, 0, y), finite_w) if y.size and np.any(finite_w) else 1.0
   print(f"\n  {name}: cosine {cos:.9f}, max |diff| {diff:.3g}, bit-exact share {exact:.6f}")
   assert cos >= 0.9999999, f"{name}: cosine {cos} < 0.9999999 (max abs diff {diff})"
   return exact
@@ -88,6 +89,31 @@ def test_the_shared_experts_wide_token_groups_and_their_tails_match_the_oracle(g
     y = gm.moe(x, w, r, clamp=p.shape.clamp, backend="cuda")
     want = emulated(x, w, r.ids, r.weights, clamp=p.shape.clamp)
     assert _compare(f"shared g{group} T={tokens}", y, want) == 1.0
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_the_shared_experts_one_token_groups_match_the_oracle_on_every_case_family(group):
+  """T = 1 and 9 (groups of 1, and 8 + 1): the one-token body (`roles_v2._sh_one_row`, the token's digit planes in
+  the columns of one n-tile) on every case family, and with the last token scaled by 2**-110 (block exponents past
+  `SH_FAST_EXP`: the two-multiplication path) or holding a NaN, bit for bit where the oracle is finite."""
+
+  def check(name, x, w, r, clamp):
+    y = np.asarray(gm.moe(x, w, r, clamp=clamp, backend="cuda"), np.float32)
+    want = np.asarray(emulated(x, w, r.ids, r.weights, clamp=clamp), np.float32)
+    _compare(name, y, want)
+    ok = ~np.isnan(want)
+    np.testing.assert_array_equal(y[ok].view(np.uint32), want[ok].view(np.uint32), err_msg=name)
+
+  for family in CASE_FAMILIES:
+    for tokens in (1, 9):
+      shape = dataclasses.replace(SMALL, tokens=tokens, shared_intermediate=256, shared_group=group)
+      p = make_problem(family, shape, seed=50 + tokens)
+      x, w, r = quantized(p)
+      check(f"shared g{group} {family} T={tokens}", x, w, r, p.shape.clamp)
+      if family == "default":
+        tiny = x.at[-1].set((x[-1].astype(jnp.float32) * 2.0**-110).astype(x.dtype))
+        check(f"shared g{group} tiny last token T={tokens}", tiny, w, r, p.shape.clamp)
+        check(f"shared g{group} NaN last token T={tokens}", x.at[-1, 7].set(jnp.nan), w, r, p.shape.clamp)
 
 
 def test_nan_activation_poisons_only_its_token():

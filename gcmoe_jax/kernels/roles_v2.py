@@ -245,6 +245,12 @@ def _sts(addr, v) -> None:
   cute.arch.inline_ptx("st.shared.u32 [{$r0}], {$r1};", read_only_args=[addr, Int32(v)])
 
 
+def _sts_if(pred, addr, v) -> None:
+  """st.shared.b32 where ``pred`` is non-zero (predicated, no branch)."""
+  cute.arch.inline_ptx("{ .reg .pred _p; setp.ne.s32 _p, {$r0}, 0; @_p st.shared.b32 [{$r1}], {$r2}; }",
+                       read_only_args=[Int32(pred), addr, v])
+
+
 def _lds_u16(addr) -> Int32:
   return v1._ptx1("ld.shared.u16 {$w0}, [{$r0}];", addr)
 
@@ -440,6 +446,46 @@ def _sh_chain_f32(s1, s2, s3) -> Int32:
   f2 = v1._fadd(s2, MAGIC_NEG)
   f3 = v1._fadd(s3, MAGIC_NEG)
   return _fma(_fma(f1, F32_64, f2), F32_64, f3)
+
+
+def _sh_block_a(tile, j: int, g, tab):
+  """The A fragments of K32 block j of the warp's 16 weight rows (``tile``: row g's chunk pair at t4; rows g + 8
+  follow 8 rows on): the digit planes H1, H0, L1, L0 of its E4M3 bytes and F1 = H1 | L1, F0 = H0 | L0."""
+  wa = tile + 32 * (Int32(j) ^ (g % 4))  # chunk pair j of rows g, g + 8 (`_sh_issue`'s swizzle)
+  lo_words = _lds2(wa)
+  hi_words = _lds2(wa + 8 * v1.K128)
+  dg = [_e4m3_digits(w, tab) for w in (lo_words[0], hi_words[0], lo_words[1], hi_words[1])]
+  ah1, ah0, al1, al0 = (tuple(dg[i][p] for i in range(4)) for p in range(SH_PLANES))
+  return (ah1, ah0, al1, al0, tuple(ah1[i] | al1[i] for i in range(4)), tuple(ah0[i] | al0[i] for i in range(4)))
+
+
+def _sh_p(fhh, fhx, fll) -> Int32:
+  """The semantics' block p from f32 of its split dots Shh, Shl + Slh, Sll (`roles_v1._fp8_block_p`)."""
+  return _fma(fll, v1.FP8_PART_BITS[2], _fma(fhh, v1.FP8_PART_BITS[0], v1._fmul(fhx, v1.FP8_PART_BITS[1])))
+
+
+@cute.jit
+def _sh_store(p, es, ex, dst, store) -> None:
+  """p[c] 2**es[c] to SMEM ``dst[c]`` (where ``store`` is non-zero, if given): one multiplication if every block
+  exponent of the warp is within `SH_FAST_EXP`, else the semantics' two (and NaN where the token's exponent word
+  ``ex[c]`` says so)."""
+  slow = Int32(0)
+  for c in cutlass.range_constexpr(len(es)):
+    slow = slow | cutlass.select_((es[c] < -SH_FAST_EXP) | (es[c] > SH_FAST_EXP), Int32(1), Int32(0))
+  if _warp_any(slow) == 0:
+    for c in cutlass.range_constexpr(len(p)):
+      _sh_sts(store, dst[c], v1._fmul(p[c], (es[c] + v1.F32_BIAS) << v1.F32_MANT_BITS))
+  else:
+    for c in cutlass.range_constexpr(len(p)):
+      r = v1._scale_pow2(p[c], es[c])
+      _sh_sts(store, dst[c], cutlass.select_(ex[c] == abi.SHARED_NAN_EXP, Int32(v1.F32_QNAN), r))
+
+
+def _sh_sts(store, addr, v) -> None:
+  if store is None:
+    _sts(addr, v)
+  else:
+    _sts_if(store, addr, v)
 
 
 def _bar_or(pred) -> Int32:
@@ -1281,7 +1327,6 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     tid, _, _ = cute.arch.thread_idx()
     k_tiles = k // v1.K128
     n_steps = -(-k_tiles // 2)
-    ntiles = _sh_ntiles(tbc)
     for i in range(tid, self.sh.tokens * SH_ROWS, THREADS):
       _sts(sb + self.sh.acc + i * 4, Int32(0))
     _sts(sb + SH_TAB + tid * 4, _digit_entry(tid))  # 256 threads, 256 codes: read after the first step's barrier
@@ -1296,7 +1341,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       _commit()
       _wait_group(1)  # this thread's copies of step s have landed
       cute.arch.sync_threads()
-      self._sh_compute(ntiles, s, buf, k, sb)
+      self._sh_compute(tbc, s, buf, k, sb)
       cute.arch.sync_threads()
     self._sh_accumulate(tbc, Int32(n_steps - 1), k, sb)
     cute.arch.sync_threads()
@@ -1349,22 +1394,20 @@ class RoleKernelsV2(v1.RoleKernelsV1):
                                                                                                 Int32(0)))
 
   @cute.jit
-  def _sh_compute(self, ntiles: cutlass.Constexpr, s: Int32, buf: Int32, k: cutlass.Constexpr, sb: Int32):
-    """Step s's block dots on the tensor cores: warp w, the m16 tile w & 3 of the item's rows (A: the weights) x
-    ``ntiles`` n-tiles of 8 of the group's tokens (B), K128 tile 2 s + (w >> 2), its four K32 blocks; p(t, r, b) to
-    ``self.sh.p``. The weights are decoded once per block for every n-tile.
+  def _sh_compute(self, tbc: cutlass.Constexpr, s: Int32, buf: Int32, k: cutlass.Constexpr, sb: Int32):
+    """Step s's block dots on the tensor cores: warp w, the m16 tile w & 3 of the item's rows (A: the weights) x the
+    group's ``tbc`` tokens (B), K128 tile 2 s + (w >> 2), its four K32 blocks; p(t, r, b) to ``self.sh.p``. The
+    weights are decoded once per block for every token.
 
     A weight byte and an activation are each hi + lo with hi = 64 H1 + H0 and lo = 64 L1 + L0 (signed 6-bit
-    digits; one of hi, lo is 0), and F = hi + lo has the digits F1 = H1 | L1, F0 = H0 | L0. Twelve exact int8
-    MMAs per n-tile give nine chains, each below 2**22 in magnitude: Shh's (H1 H1; H1 H0 + H0 H1; H0 H0), Sll's
-    likewise, and from F x F less those two, Shl + Slh's (started at `MAGIC3` less their ends). With every chain
-    started at MAGIC, f32 of a chain is one subtraction, and f32(S) = RN(64 (64 f32(S1) + f32(S2)) + f32(S3)) with
-    the inner FMA exact (below 2**24), i.e. cvt.rn of S (`_sh_chain_f32`); then the semantics' p and its scaling
-    (`roles_v1._fp8_block_p`; one multiplication where every block exponent of the warp's block lies within
-    `SH_FAST_EXP`). The K order of the MMA is permuted the same way for A and B (thread t4 holds the bytes 8 t4 ..
-    8 t4 + 7 of a block, in one 8-byte load), which leaves every integer sum as it is."""
+    digits; one of hi, lo is 0), and F = hi + lo has the digits F1 = H1 | L1, F0 = H0 | L0 (`_sh_block_a`). A
+    block's three split dots are Shh, Sll and Shl + Slh = Sff - Shh - Sll, each from exact int8 MMAs over the
+    digits: `_sh_tiles` for groups of n-tiles of 8 tokens, `_sh_one_row` for a group of one token (the B = 1
+    layers and one-token tails), which puts that token's digit planes in the columns of one n-tile. Then the
+    semantics' p and its scaling (`roles_v1._fp8_block_p`; one multiplication where every block exponent of the
+    warp's block lies within `SH_FAST_EXP`). The K order of the MMA is permuted the same way for A and B (thread t4
+    holds the bytes 8 t4 .. 8 t4 + 7 of a block, in one 8-byte load), which leaves every integer sum as it is."""
     warp, lane, g, t4 = _lanes()
-    sh = self.sh
     mt = warp % 4
     ts = warp // 4
     kt = 2 * s + ts
@@ -1372,59 +1415,94 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       tile = sb + SH_W + ((buf * 2 + ts) * SH_ROWS + 16 * mt + g) * v1.K128 + 8 * t4
       srow = sb + SH_S + ((buf * 2 + ts) * SH_ROWS + 16 * mt + g) * 4
       sw = (_lds(srow), _lds(srow + 8 * 4))
-      tab = sb + SH_TAB
-      m4 = (Int32(MAGIC),) * 4
       for j in cutlass.range_constexpr(4):
         lb = 4 * ts + j
-        wa = tile + 32 * (Int32(j) ^ (g % 4))  # chunk pair j of rows g, g + 8 (`_sh_issue`'s swizzle)
-        lo_words = _lds2(wa)
-        hi_words = _lds2(wa + 8 * v1.K128)
-        dg = [_e4m3_digits(w, tab) for w in (lo_words[0], hi_words[0], lo_words[1], hi_words[1])]
-        ah1, ah0, al1, al0 = (tuple(dg[i][p] for i in range(4)) for p in range(SH_PLANES))
-        af1 = tuple(ah1[i] | al1[i] for i in range(4))
-        af0 = tuple(ah0[i] | al0[i] for i in range(4))
+        a = _sh_block_a(tile, j, g, sb + SH_TAB)
         if cutlass.const_expr(self.v.shared_group == v1.K32):
           ew = tuple(((w >> (8 * j)) & v1.BYTE_MASK) - v1.UE8M0_BIAS for w in sw)
         else:
           ew = tuple(((w >> (8 * (kt % 4))) & v1.BYTE_MASK) - v1.UE8M0_BIAS for w in sw)
-        for nt in cutlass.range_constexpr(ntiles):
-          tok = SH_TOKENS * nt
-          xa = sb + SH_X + (buf * sh.tokens + tok + g) * SH_X_STRIDE + lb * SH_BLOCK + 8 * t4
-          bh1, bh0, bl1, bl0 = (_lds2(xa + 32 * p) for p in range(SH_PLANES))
-          bf1 = (bh1[0] | bl1[0], bh1[1] | bl1[1])
-          bf0 = (bh0[0] | bl0[0], bh0[1] | bl0[1])
-          c1 = _mma_s8(ah1, bh1, m4)
-          c2 = _mma_s8(ah0, bh1, _mma_s8(ah1, bh0, m4))
-          c3 = _mma_s8(ah0, bh0, m4)
-          d1 = _mma_s8(al1, bl1, m4)
-          d2 = _mma_s8(al0, bl1, _mma_s8(al1, bl0, m4))
-          d3 = _mma_s8(al0, bl0, m4)
-          e1 = _mma_s8(af1, bf1, tuple(MAGIC3 - c1[i] - d1[i] for i in range(4)))
-          e2 = _mma_s8(af0, bf1, _mma_s8(af1, bf0, tuple(MAGIC3 - c2[i] - d2[i] for i in range(4))))
-          e3 = _mma_s8(af0, bf0, tuple(MAGIC3 - c3[i] - d3[i] for i in range(4)))
-          xe = sb + sh.xe + ((buf * sh.tokens + tok + 2 * t4) * SH_STEP + lb) * 4
-          ex = (_lds(xe), _lds(xe + SH_STEP * 4))
-          p = [Int32(0)] * 4
-          es = [Int32(0)] * 4
-          slow = Int32(0)
-          for c in cutlass.range_constexpr(4):
-            fhh = _sh_chain_f32(c1[c], c2[c], c3[c])
-            fhx = _sh_chain_f32(e1[c], e2[c], e3[c])
-            fll = _sh_chain_f32(d1[c], d2[c], d3[c])
-            q = _fma(fhh, v1.FP8_PART_BITS[0], v1._fmul(fhx, v1.FP8_PART_BITS[1]))
-            p[c] = _fma(fll, v1.FP8_PART_BITS[2], q)
-            es[c] = ex[c % 2] + ew[c // 2]
-            slow = slow | cutlass.select_((es[c] < -SH_FAST_EXP) | (es[c] > SH_FAST_EXP), Int32(1), Int32(0))
-          # C fragment element c: token 2 t4 + (c & 1), row g + 8 (c >> 1)
-          out = sb + sh.p + ((lb * sh.tokens + tok + 2 * t4) * SH_P_ROWS + 16 * mt + g) * 4
-          dst = [out + ((c % 2) * SH_P_ROWS + 8 * (c // 2)) * 4 for c in range(4)]
-          if _warp_any(slow) == 0:
-            for c in cutlass.range_constexpr(4):
-              _sts(dst[c], v1._fmul(p[c], (es[c] + v1.F32_BIAS) << v1.F32_MANT_BITS))
-          else:
-            for c in cutlass.range_constexpr(4):
-              r = v1._scale_pow2(p[c], es[c])
-              _sts(dst[c], cutlass.select_(ex[c % 2] == abi.SHARED_NAN_EXP, Int32(v1.F32_QNAN), r))
+        if cutlass.const_expr(tbc == 1):
+          self._sh_one_row(a, ew, buf, lb, mt, sb)
+        else:
+          self._sh_tiles(_sh_ntiles(tbc), a, ew, buf, lb, mt, sb)
+
+  @cute.jit
+  def _sh_tiles(self, ntiles: cutlass.Constexpr, a, ew, buf: Int32, lb: Int32, mt: Int32, sb: Int32):
+    """Block lb's dots for ``ntiles`` n-tiles of 8 tokens: twelve MMAs per n-tile give nine chains, each below 2**22
+    in magnitude: Shh's (H1 H1; H1 H0 + H0 H1; H0 H0), Sll's likewise, and from F x F less those two, Shl + Slh's
+    (started at `MAGIC3` less their ends). With every chain started at MAGIC, f32 of a chain is one subtraction, and
+    f32(S) = RN(64 (64 f32(S1) + f32(S2)) + f32(S3)) with the inner FMA exact (below 2**24), i.e. cvt.rn of S
+    (`_sh_chain_f32`)."""
+    _, _, g, t4 = _lanes()
+    sh = self.sh
+    ah1, ah0, al1, al0, af1, af0 = a
+    m4 = (Int32(MAGIC),) * 4
+    for nt in cutlass.range_constexpr(ntiles):
+      tok = SH_TOKENS * nt
+      xa = sb + SH_X + (buf * sh.tokens + tok + g) * SH_X_STRIDE + lb * SH_BLOCK + 8 * t4
+      bh1, bh0, bl1, bl0 = (_lds2(xa + 32 * p) for p in range(SH_PLANES))
+      bf1 = (bh1[0] | bl1[0], bh1[1] | bl1[1])
+      bf0 = (bh0[0] | bl0[0], bh0[1] | bl0[1])
+      c1 = _mma_s8(ah1, bh1, m4)
+      c2 = _mma_s8(ah0, bh1, _mma_s8(ah1, bh0, m4))
+      c3 = _mma_s8(ah0, bh0, m4)
+      d1 = _mma_s8(al1, bl1, m4)
+      d2 = _mma_s8(al0, bl1, _mma_s8(al1, bl0, m4))
+      d3 = _mma_s8(al0, bl0, m4)
+      e1 = _mma_s8(af1, bf1, tuple(MAGIC3 - c1[i] - d1[i] for i in range(4)))
+      e2 = _mma_s8(af0, bf1, _mma_s8(af1, bf0, tuple(MAGIC3 - c2[i] - d2[i] for i in range(4))))
+      e3 = _mma_s8(af0, bf0, tuple(MAGIC3 - c3[i] - d3[i] for i in range(4)))
+      xe = sb + sh.xe + ((buf * sh.tokens + tok + 2 * t4) * SH_STEP + lb) * 4
+      ex = (_lds(xe), _lds(xe + SH_STEP * 4))
+      p = [Int32(0)] * 4
+      es = [Int32(0)] * 4
+      for c in cutlass.range_constexpr(4):
+        p[c] = _sh_p(_sh_chain_f32(c1[c], c2[c], c3[c]), _sh_chain_f32(e1[c], e2[c], e3[c]),
+                     _sh_chain_f32(d1[c], d2[c], d3[c]))
+        es[c] = ex[c % 2] + ew[c // 2]
+      # C fragment element c: token 2 t4 + (c & 1), row g + 8 (c >> 1)
+      out = sb + sh.p + ((lb * sh.tokens + tok + 2 * t4) * SH_P_ROWS + 16 * mt + g) * 4
+      _sh_store(p, es, tuple(ex[c % 2] for c in range(4)),
+                tuple(out + ((c % 2) * SH_P_ROWS + 8 * (c // 2)) * 4 for c in range(4)), None)
+
+  @cute.jit
+  def _sh_one_row(self, a, ew, buf: Int32, lb: Int32, mt: Int32, sb: Int32):
+    """Block lb's dots for a group of one token: column n of the B tile holds its digit plane H1, H0, L1, L0, F1,
+    F0 for n = 0..5 (zeros in 6, 7), and six MMAs from 0, X = A1 B (A1 = H1, L1, F1 against the columns of the
+    same part) and Y = A0 B, end with the digit products of Shh in columns 0, 1, of Sll in 2, 3, of Sff in 4, 5:
+    S = 4096 X[2 t4] + 64 (X[2 t4 + 1] + Y[2 t4]) + Y[2 t4 + 1] (exact in int32: |S| < 32 3584**2) is Shh in the
+    lanes t4 = 0, Sll in t4 = 1 and Sff in t4 = 2, which gathers the other two by shuffles; f32 of each is cvt.rn,
+    the value `_sh_chain_f32` rounds to in `_sh_tiles`. Half the B loads, MMAs and epilogue of an n-tile of 8
+    tokens, of which a group of one uses one column."""
+    _, _, g, t4 = _lanes()
+    sh = self.sh
+    ah1, ah0, al1, al0, af1, af0 = a
+    on = Int32(-1)
+    m_h = cutlass.select_(g < 2, on, Int32(0))
+    m_l = cutlass.select_((g >= 2) & (g < 4), on, Int32(0))
+    m_f = cutlass.select_((g >= 4) & (g < 6), on, Int32(0))
+    xa = sb + SH_X + (buf * sh.tokens) * SH_X_STRIDE + lb * SH_BLOCK + 8 * t4
+    u = _lds2(xa + 32 * (g % 4))  # planes H1, H0, L1, L0 for columns 0-3; H1, H0 for 4, 5
+    w = _lds2(xa + 32 * (g % 2 + 2))  # L1, L0: F1 = H1 | L1 and F0 = H0 | L0 in columns 4, 5
+    val = tuple(u[i] | (w[i] & m_f) for i in range(2))
+    bh = tuple(v & m_h for v in val)
+    bl = tuple(v & m_l for v in val)
+    bf = tuple(v & m_f for v in val)
+    z4 = (Int32(0),) * 4
+    x = _mma_s8(af1, bf, _mma_s8(al1, bl, _mma_s8(ah1, bh, z4)))
+    y = _mma_s8(af0, bf, _mma_s8(al0, bl, _mma_s8(ah0, bh, z4)))
+    ex = _lds(sb + sh.xe + ((buf * sh.tokens) * SH_STEP + lb) * 4)
+    p = [Int32(0)] * 2
+    es = [Int32(0)] * 2
+    for r in cutlass.range_constexpr(2):  # rows g, g + 8
+      sum_ = (x[2 * r] << 12) + ((x[2 * r + 1] + y[2 * r]) << 6) + y[2 * r + 1]
+      hh = _shfl_xor(sum_, 2)
+      ll = _shfl_xor(sum_, 3)
+      p[r] = _sh_p(v1._i2f(hh), v1._i2f(sum_ - hh - ll), v1._i2f(ll))
+      es[r] = ex + ew[r]
+    out = sb + sh.p + ((lb * sh.tokens) * SH_P_ROWS + 16 * mt + g) * 4
+    _sh_store(p, es, (ex, ex), (out, out + 8 * 4), t4 == 2)
 
   @cute.jit
   def _sh_accumulate(self, tbc: cutlass.Constexpr, s: Int32, k: cutlass.Constexpr, sb: Int32):
