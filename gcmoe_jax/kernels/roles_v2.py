@@ -47,7 +47,8 @@ latencies better where the work per stage is small).
    An item streams K in steps of 8 K32 blocks through a cp.async double buffer: a warp per (m16 tile of the rows,
    K128 tile of the step) decodes its E4M3 weight bytes into digit planes by a 256-word SMEM table and prmt
    (`_e4m3_digits`), forms each block's three split dots from twelve int8 MMAs per n-tile of the group's tokens
-   (`_sh_compute`), the blocks' contributions go through SMEM, and a thread per (token, row) adds them in K
+   (`_sh_tiles`), or from six for a group of one token, whose digit planes fill the columns of one n-tile
+   (`_sh_one_row`), the blocks' contributions go through SMEM, and a thread per (token, row) adds them in K
    order. Every wait is for earlier items, so with the whole grid resident no CTA waits on an item a waiting CTA
    holds.
 
