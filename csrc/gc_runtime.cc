@@ -813,6 +813,10 @@ std::string Runtime::ReadFault(CUstream stream) {
                               : " (the fused transport waited for the peers to return this rank's rows: " +
                                     std::to_string(h->error_observed) + " row tiles arrived";
     msg += " within " + bound + ": a peer stalled or died; the outputs of that call were set to NaN)";
+  } else if (h->error_role == 2 && (h->error_counter & 0xffff0000u) == 0xa0000u) {  // abi.WAIT_QUEUE
+    msg += " (role 2 waited longer than " + bound + " for role 1 to close the active queue of the experts hit, " +
+           std::to_string(h->error_observed) + " appended, every expert published; the outputs of that call were "
+           "set to NaN)";
   } else if (h->error_role == 2 && (h->error_counter & 0xffff0000u) == 0x80000u) {  // abi.WAIT_PIPE
     msg += " (role 2's pipeline waited longer than " + bound + ", for the copies of K128 block " +
            std::to_string(h->error_observed) +

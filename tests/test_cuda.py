@@ -202,6 +202,42 @@ def test_forced_timeout_raises_and_the_next_call_works(monkeypatch):
                                 np.asarray(emulated(x, w, r.ids, r.weights, clamp=10.0)).view(np.uint16))
 
 
+def test_role1_lists_every_expert_hit_once_in_the_active_queue():
+  """Role 1 (v2) appends each expert with rows to the call's active queue as it publishes it and closes the queue
+  with its size (`abi.active_queue`); role 2 takes its experts from there. After a call the queue of that call's
+  parity holds every expert hit exactly once, nothing else, and count[e] is the expert's number of routes."""
+  from gcmoe_jax.ffi import _cuda
+  from gcmoe_jax.kernels import abi, build
+  x, w, r = quantized(make_problem("default", SMALL_GPU, seed=23))
+  ids = np.asarray(r.ids).copy()
+  ids[ids == 3] = -1  # expert 3 gets no row: it must not be in the queue
+  ids[1, :] = -1  # a padding token
+  routes = gm.Routes(jnp.asarray(ids), r.weights)
+  step = jax.jit(lambda x, routes: gm.moe(x, w, routes, clamp=10.0, backend="cuda"))
+  step(x, routes).block_until_ready()
+  before = np.frombuffer(_cuda.debug_read_workspace(0, 4), np.uint32)[0]
+  y = step(x, routes)
+  y.block_until_ready()
+  np.testing.assert_array_equal(np.asarray(y).view(np.uint16),
+                                np.asarray(emulated(x, w, routes.ids, routes.weights, clamp=10.0)).view(np.uint16))
+  variant = build.Variant(SMALL_GPU.hidden, SMALL_GPU.intermediate, SMALL_GPU.experts, SMALL_GPU.top_k, 16)
+  ws = variant.workspace("v2")
+  raw = _cuda.debug_read_workspace(0, ws.total)
+  epoch = np.frombuffer(raw, np.uint32, 1)[0]
+  assert epoch == before + 1, f"the workspace read is not this call's runtime's (epoch {before} -> {epoch})"
+  args = (variant.experts, variant.capacity, False)
+  words, at = abi.counter_words(*args), abi.active_queue(*args)
+  queue = np.frombuffer(raw, np.uint32, words, ws.counters + 4 * words * (epoch & 1))[at:]
+  appended, closed, entries = int(queue[0]), int(queue[1]), queue[2:]
+  hit = sorted(set(ids[ids >= 0].tolist()))
+  print(f"\n  active queue: {appended} appended, closed at {closed - 1}, entries {(entries.astype(int) - 1).tolist()}, "
+        f"hit {hit}")
+  assert 3 not in hit and appended == closed - 1 == len(hit)
+  assert sorted((entries[:len(hit)].astype(int) - 1).tolist()) == hit and not entries[len(hit):].any()
+  counts = np.frombuffer(raw, np.int32, variant.experts, ws.count)
+  np.testing.assert_array_equal(counts, np.bincount(ids[ids >= 0], minlength=variant.experts))
+
+
 def test_out_of_range_id_under_jit_raises_naming_it(monkeypatch):
   monkeypatch.setenv("GCMOE_SYNC_CHECK", "1")
   x, w, r = quantized(make_problem("default", SMALL_GPU, seed=6))

@@ -98,10 +98,21 @@ def test_ptx_entry_has_the_abi_params(built, arch, role):
 
 @needs_dsl
 @pytest.mark.parametrize("arch", build.ARCHS)
+def test_role1_appends_to_the_active_queue_and_role2_reads_it(built, arch):
+  """Role 1 takes each queue position by an atomic add and fills the entry and the final size with release stores
+  (after ready[e]); role 2 polls the queue's final size with acquire loads instead of every expert's ready[e]."""
+  role1, role2 = _ptx(built[arch], 1), _ptx(built[arch], 2)
+  assert role1.count("atom.relaxed.gpu.global.add.u32") >= 2, "append (add 1) and close (read the size)"
+  assert role1.count("st.release.gpu") >= 3, "ready[e], the queue entry and the final size"
+  assert "ld.acquire.gpu" in role2
+
+
+@needs_dsl
+@pytest.mark.parametrize("arch", build.ARCHS)
 def test_role2_waits_are_bounded_acquires(built, arch):
   ptx = _ptx(built[arch], 2)
   assert ptx.count("%globaltimer") >= 2, "role 2 must read %globaltimer before and while spinning"
-  assert "ld.acquire.gpu" in ptx, "role 2 must poll ready[e] with acquire loads"
+  assert "ld.acquire.gpu" in ptx, "role 2 must poll ready[e] (v1) or the active queue (v2) with acquire loads"
   assert "fence.acq_rel.gpu" in ptx
   assert "atom.global.cas.b32" in ptx, "a timeout records the fault through a CAS on error_flag"
   assert "trap" not in ptx, "a timeout must not trap (the context stays usable)"
@@ -432,9 +443,11 @@ def test_fused_workspace_holds_every_ranks_rows_and_leaves_the_local_layout_alon
   relay = Variant(512, 256, 4, 4, 16, ranks=2, relay=True).workspace("v2")
   assert relay.total - relay.relay_arena >= 2 * 16 * 2 * 4 * 512 and fused.relay_arena == fused.total
   assert abi.counter_words(4, 16, False, 2, True) == abi.counter_words(4, 16, False, 2) + 4
-  # Role 2's item queue is the last word of each parity, after every other counter (role 3 zeroes all of them).
+  # Role 2's item queue, then role 1's active queue of experts (append position, final size, E entries), after
+  # every other counter (role 3 zeroes all of them).
   for args in ((4, 16, False), (4, 16, True), (4, 16, False, 2), (4, 16, True, 2, True)):
-    assert abi.queue_counter(*args) == abi.counter_words(*args) - 1
+    assert abi.active_queue(*args) == abi.queue_counter(*args) + 1
+    assert abi.counter_words(*args) == abi.active_queue(*args) + 2 + args[0]
   assert abi.queue_counter(4, 16, False, 2, True) > abi.relay_counters(4, 16, False) + 4 - 1
   assert abi.queue_counter(4, 16, False, 2) > max(abi.fused_counters(4, 16, False))
 

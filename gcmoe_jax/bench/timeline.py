@@ -3,8 +3,8 @@
     GCMOE_ABLATION=timeline python -m gcmoe_jax.bench.timeline --model glm5.2 --batch 1,8,64
 
 The timeline build (results exact) stamps, for each call, role 1's and role 3's block 0 entry and exit and, for
-every role-2 CTA, its entry, the end of phase 0 (x quantized), the end of the expert table (every expert
-published), its exit, and per item the claim, the start of its MMAs (after a GEMM2 item's wait for its expert's
+every role-2 CTA, its entry, the end of phase 0 (x quantized), the end of the expert table (role 1's active
+queue closed), its exit, and per item the claim, the start of its MMAs (after a GEMM2 item's wait for its expert's
 GEMM1 tiles) and its end (`kernels.abi` ``TL_*``), into a region after the workspace. This runs the bench's chain
 (``--chain`` layers in one jitted program, alternating weight copies, fresh routes per layer) once more after
 warming up, reads the last call slots back (`ffi._cuda.debug_read_workspace`) and prints, per layer, the phases
@@ -35,7 +35,7 @@ class LayerTimeline:
   role1: tuple[float, float]  # entry, exit (block 0)
   role2_entry: tuple[float, float]  # first and last CTA entry
   phase0: float  # the last CTA's end of phase 0
-  table: float  # the last CTA's expert table (every expert published)
+  table: float  # the last CTA's expert table (the active queue closed and read)
   gemm1: tuple[float, float]  # first GEMM1 item start, last GEMM1 item end
   gemm2: tuple[float, float]  # first GEMM2 MMA start, last GEMM2 item end
   role2_exit: float  # the last CTA's exit

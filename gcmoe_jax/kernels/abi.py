@@ -9,9 +9,11 @@ runtime (`csrc/`) receives them as FFI attributes computed here, so the two cann
 
 **Epoch protocol.** ``header.epoch`` counts completed calls. Every role reads it at start and works on
 ``cur = epoch + 1``; role 1 publishes expert e by storing ``ready[e] = cur`` (release) after writing ``count[e]``
-and ``rows[e]``; role 2 waits for ``ready[e] == cur`` (acquire, bounded by ``header.timeout_ns``); role 3 runs
-after both (graph edges) and stores ``epoch = cur`` last. Nothing is reset between calls, and a replay under an XLA
-command buffer (where the host handler is not called) stays correct because the epoch lives on the device.
+and ``rows[e]``, and in the v2 kernels appends an expert with rows to the call's active queue (`active_queue`);
+role 2 waits for ``ready[e] == cur`` (v1) or for the queue entry of its item (v2; acquire, bounded by
+``header.timeout_ns``); role 3 runs after both (graph edges) and stores ``epoch = cur`` last. Nothing is reset
+between calls, and a replay under an XLA command buffer (where the host handler is not called) stays correct because
+the epoch lives on the device.
 
 **Faults.** A wait that expires writes the error record (role, block, epoch, counter = the awaited expert,
 observed value) once (CAS on ``error.flag``), and the role returns without trapping, so the context stays usable;
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["HEADER", "PARAMS", "Workspace", "counter_words", "fused_counters", "item_order",
+__all__ = ["HEADER", "PARAMS", "Workspace", "active_queue", "counter_words", "fused_counters", "item_order",
            "pull_cache", "queue_counter", "relay_counters", "workspace_layout", "SILU_TABLE_ENTRIES"]
 
 # Kernel parameter names, in order: 13 pointers, then T (int32) and clamp (float32).
@@ -91,6 +93,9 @@ WAIT_PEER, WAIT_RECEIVED, WAIT_RETURNS = 0x40000, 0x50000, 0x60000
 WAIT_RELAY = 0x70000  # a relay copier (role 2) waited for experts' GEMM2 items (observed: experts left)
 WAIT_PIPE = 0x80000  # role 2's K loop waited for a stage's copies or readers (observed: the K128 block)
 WAIT_GATE = 0x90000  # a role-1 CTA of the direct scan (B <= 2) waited for block 0's scan of the peers (role 4)
+# Role 2 waited for entry h of role 1's active queue (+ h; observed: the append position). Where an expert is still
+# unpublished when the bound expires, the record names it instead (WAIT_READY + e, observed ready[e]).
+WAIT_QUEUE = 0xA0000
 STALL_CALL = -2  # stall_expert of a fused-transport rank that never publishes its call (x_ready) to the peers
 ROLE_TRANSPORT = 4  # error_role of an expired fused-transport wait (error_counter: WAIT_PEER..WAIT_RELAY, WAIT_GATE)
 SILU_TABLE_ENTRIES = 1 << 16  # float32 silu(g) per BF16 bit pattern (reference.silu_table)
@@ -184,14 +189,22 @@ def counter_words(experts: int, capacity: int, shared: bool, ranks: int = 1, rel
   """Words of one parity of the v2 ``counters`` section: E experts, the x-quantization count, with a shared
   expert one per token (its token groups of 8 or 16 use the first ceil(T / 8) or ceil(T / 16)), with R > 1 ranks
   two more (`fused_counters`), on the relay return path one per expert (its GEMM2 items done, `relay_counters`),
-  and last role 2's item queue (`queue_counter`)."""
-  return queue_counter(experts, capacity, shared, ranks, relay) + 1
+  role 2's item queue (`queue_counter`), and last role 1's active queue of experts (`active_queue`: 2 + E)."""
+  return active_queue(experts, capacity, shared, ranks, relay) + 2 + experts
 
 
 def queue_counter(experts: int, capacity: int, shared: bool, ranks: int = 1, relay: bool = False) -> int:
   """Word index, in one parity of ``counters``, of role 2's item queue: each CTA claims its next work item by an
   atomic add on it (items in the order of `roles_v2.RoleKernelsV2.role2_tc`), role 3 zeroes it for the next call."""
   return experts + 1 + (capacity if shared else 0) + (2 if ranks > 1 else 0) + (experts if relay else 0)
+
+
+def active_queue(experts: int, capacity: int, shared: bool, ranks: int = 1, relay: bool = False) -> int:
+  """Word index, in one parity of ``counters``, of role 1's active queue (paper §4.5, v2 kernels): the append
+  position (an atomic add per expert hit), the final size plus one (stored, release, once every expert of the call
+  is published; 0 = not yet), then E entries, entry h = (the h-th expert published with rows) + 1 (release; 0 = not
+  yet). Role 3 zeroes them with the other counters, so a nonzero word is this call's."""
+  return queue_counter(experts, capacity, shared, ranks, relay) + 1
 
 
 # Role 2's item queue (`roles_v2.RoleKernelsV2.role2_tc`): the item kinds in claim order. Every wait is for an

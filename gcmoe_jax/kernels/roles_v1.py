@@ -24,7 +24,8 @@ cluster. Warp roles: none; every thread of a CTA runs the same code. The grid is
    epoch cur, counter = the id, observed = a) once through a CAS on ``error_flag`` and is skipped; ids < 0 are
    padding. Thread e (e = tid, tid + 256, ...) then appends, in token order, every ``a`` with ``ids[a] == e`` to
    ``rows[e]``, stores ``count[e]``, and publishes ``ready[e] = cur`` with ``st.release.gpu`` (except
-   ``header.stall_expert``, the test hook).
+   ``header.stall_expert``, the test hook). For the v2 kernels it also appends each expert with rows to the call's
+   active queue as it publishes it, and closes the queue with its final size once all are (`abi.active_queue`).
 2. Compute. Work items, taken by CTA c as c, c + G, ...: first, with a shared expert, one item per token t < T
    (FP8 x FP8, route weight 1, output ``shared_out[t]``; no wait), then E * cpe routed items (expert e, sub-slice
    s), cpe = max(1, G // E). A routed item waits (thread 0, ``ld.acquire.gpu`` of ``ready[e]``, bounded by
@@ -396,6 +397,21 @@ def _st_u64(addr, value) -> None:
   cute.arch.inline_ptx("st.global.u64 [{$r0}], {$r1};", write_only_types=[], read_only_args=[Int64(addr), value])
 
 
+def _queue_append(queue: Int64, e) -> None:
+  """Appends expert ``e`` to the call's active queue at ``queue`` (`abi.active_queue`), after its rows and count
+  were published: an atomic add takes the position, a release store fills the entry (e + 1)."""
+  pos = _ptx1("atom.relaxed.gpu.global.add.u32 {$w0}, [{$r0}], 1;", queue)
+  cute.arch.store(_gptr(queue + Int64(2 + pos) * WORD_BYTES), Int32(e + 1), sem="release", scope="gpu")
+
+
+def _queue_close(queue: Int64) -> None:
+  """Publishes the active queue's final size (+ 1) once every expert of the call was appended (the caller's CTA
+  barrier orders the appends before this thread's fence)."""
+  n = _ptx1("atom.relaxed.gpu.global.add.u32 {$w0}, [{$r0}], 0;", queue)
+  cute.arch.fence_acq_rel_gpu()
+  cute.arch.store(_gptr(queue + WORD_BYTES), n + 1, sem="release", scope="gpu")
+
+
 def _st_bf16(addr, bits) -> None:
   cute.arch.store(_gptr(addr, Uint16), Uint16(bits))
 
@@ -459,6 +475,13 @@ class RoleKernelsV1:
   def _tl_stamp(self, wsb: Int64, cur: Int32, word: Int32) -> None:
     """Timeline build: the current %globaltimer into word ``word`` of this call's slot."""
     self._tl_put(wsb, cur, word, cute.arch.globaltimer())
+
+  def _active_queue(self, wsb: Int64, cur: Int32) -> Int64:
+    """The address of call ``cur``'s active queue (v2 workspaces: `abi.active_queue` in the parity's counters)."""
+    v = self.v
+    words = abi.counter_words(v.experts, v.capacity, v.shared, v.ranks, v.relay)
+    at = abi.active_queue(v.experts, v.capacity, v.shared, v.ranks, v.relay)
+    return wsb + self.ws.counters + (Int64(cur & 1) * words + at) * WORD_BYTES
 
   def dynamic_smem(self, role: int) -> int:
     """Dynamic SMEM bytes of role ``role`` (1-3): v1 uses static SMEM only."""
@@ -549,6 +572,13 @@ class RoleKernelsV1:
             # Release: count[e] and rows[e] are visible to whoever acquires ready[e] == cur.
             cute.arch.fence_acq_rel_gpu()
             cute.arch.store(_gptr(wsb + ws.ready + Int64(e) * WORD_BYTES), cur, sem="release", scope="gpu")
+            if cutlass.const_expr(self.GENERATION == "v2"):
+              if count > 0:  # v2's role 2 takes the experts hit from the active queue, as they are published
+                _queue_append(self._active_queue(wsb, cur), e)
+      if cutlass.const_expr(self.GENERATION == "v2"):
+        cute.arch.sync_threads()
+        if (tid == 0) & ((stall < 0) | (stall >= v.experts)):  # a withheld expert keeps the queue open
+          _queue_close(self._active_queue(wsb, cur))
       if cutlass.const_expr(self.timeline):
         cute.arch.sync_threads()
         if tid == 0:

@@ -21,7 +21,8 @@ latencies better where the work per stage is small).
 
 0. Phase 0 (every CTA): MXFP8 of x, one warp per (token, K32 block), a lane per element, into ``xplanes``/``xexp``
    (and ``xflag``); then ``counters[par][E] += 1`` (release). Then every CTA waits for the count to reach the grid
-   and for every expert's publication (a thread per expert), and lists the experts hit in SMEM.
+   and for role 1 to close the call's active queue (`abi.active_queue`: the experts with rows, appended as each is
+   published, and the final size; one word polled, `_await_queue`), and copies the queue into its SMEM hit list.
 1. GEMM1 items (h, j) over the hit list, j < 2I/128, each CTA claiming its next item from the call's queue (an
    atomic add, `_claim`): W13 rows 128 j..128 j + 127
    (gate/up of intermediate columns 64 j..64 j + 63). Swap-AB: weights on M (warp w: rows 16 w..16 w + 15, so a
@@ -57,7 +58,7 @@ Every wait is bounded as in v1 (``header.timeout_ns``); a timeout records (role 
 (``par = cur & 1``) and role 3 zeroes the next call's (``roles_v1`` role 3), so no reset pass runs and a faulted
 call leaves the next one clean.
 
-Roles 1 and 3 are v1's (role 3 also resets the counters). Role 2: block 256, dynamic SMEM `dynamic_smem`.
+Roles 1 and 3 are v1's (role 1 also fills the active queue, role 3 also resets the counters). Role 2: block 256, dynamic SMEM `dynamic_smem`.
 
 **The sm_120a seam** (docs/sm120.md). Built for ``sm_120a``/``sm_121a``, everything above stays (items, pipeline,
 swizzled weight tile and ldmatrix fragments, epilogues, waits) and three things change: phase 0 and the requant
@@ -697,6 +698,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     self.words = abi.counter_words(v.experts, v.capacity, v.shared, v.ranks, v.relay)
     self.relay_base = abi.relay_counters(v.experts, v.capacity, v.shared)
     self.queue = abi.queue_counter(v.experts, v.capacity, v.shared, v.ranks, v.relay)
+    self.active = abi.active_queue(v.experts, v.capacity, v.shared, v.ranks, v.relay)
     # Items are claimed from a queue (an atomic add per item) in item order, so a CTA that finished early takes the
     # next item: static round-robin gave GLM5.2 B = 1 a critical path of 2 GEMM1 + 1 GEMM2 items against a mean of
     # 1.6 GEMM1 items' worth (docs/kernels_v2.md "The item queue"). `GCMOE_ABLATION=static` builds the round-robin.
@@ -811,7 +813,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
        into ``rx*[g]`` with `PULL_DEPTH` 16-byte loads per lane in flight (the pull cache keyed by (rank, token): a
        row is pulled once whatever k of its routes land here; without it, k < R, a warp per global route);
     4. each CTA counts itself done (release), block 0 waits for all, copies ``rtags`` to SMEM, then thread e
-       lists expert e's rows in (rank, token, slot) order and publishes ``ready[e] = cur`` as in v1.
+       lists expert e's rows in (rank, token, slot) order, publishes ``ready[e] = cur`` and appends the expert to
+       the active queue as in v1 (if it has rows), and thread 0 closes the queue once all are published.
     """
     v, ws = self.v, self.ws
     tid, _, _ = cute.arch.thread_idx()
@@ -921,6 +924,11 @@ class RoleKernelsV2(v1.RoleKernelsV1):
           v1._st(wsb + ws.count + Int64(e) * v1.WORD_BYTES, count)
           if e != stall:
             cute.arch.store(v1._gptr(wsb + ws.ready + Int64(e) * v1.WORD_BYTES), cur, sem="release", scope="gpu")
+            if count > 0:
+              v1._queue_append(self._active_queue(wsb, cur), e)
+        cute.arch.sync_threads()
+        if (tid == 0) & ((stall < 0) | (stall >= local)):  # a withheld expert keeps the queue open
+          v1._queue_close(self._active_queue(wsb, cur))
 
   @cute.jit
   def _pull_row(self, wsb: Int64, pb: Int64, gr: Int32, t: Int32, lane: Int32):
@@ -1035,7 +1043,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       cute.arch.fence_acq_rel_gpu()
       _red_release_add(counters + v.experts * v1.WORD_BYTES, 1)
 
-    # ---- every expert's publication (a thread per expert), then the list of experts hit ----------------------
+    # ---- the experts hit: role 1's active queue, once it is closed ---------------------------------------------
     ok = Int32(1)
     if tid == 0:
       ok = self._wait_geq(counters + v.experts * v1.WORD_BYTES, grid32, wsb, cur, bid, abi.WAIT_XQ)
@@ -1044,23 +1052,17 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         if (bid == 0) & (ok != 0) & (v1._ld(wsb + abi.HEADER["stall_expert"]) != abi.STALL_CALL):
           _fence_sys()
           _st_release_sys(wsb + abi.HEADER["x_ready"], cur)
-    ok = 1 - _bar_or(ok == 0)
-    if ok != 0:
-      for e in range(tid, v.experts, THREADS):
-        ok_e, count = self._wait_ready(wsb, e, cur, bid)
-        _sts(table + e * 4, cutlass.select_(ok_e != 0, count, Int32(-1)))
-    cute.arch.sync_threads()
-    if tid == 0:
-      n_hit = Int32(0)
-      for e in range(v.experts):
-        c = _lds(table + e * 4)
-        if c < 0:
-          ok = Int32(0)
-        if c > 0:
-          _sts(table + (v.experts + n_hit) * 4, e)
-          n_hit = n_hit + 1
+      if ok != 0:
+        ok = self._await_queue(counters, wsb, cur, bid)
       _sts(ctl, ok)
-      _sts(ctl + 4, n_hit)
+      _sts(ctl + 4, cutlass.select_(ok != 0, v1._ld(counters + Int64(self.active + 1) * v1.WORD_BYTES) - 1,
+                                    Int32(0)))
+    cute.arch.sync_threads()
+    # The table: count[e] at 4 e, the experts hit in queue (publication) order from 4 E.
+    for h in range(tid, _lds(ctl + 4), THREADS):
+      e = v1._ld(counters + Int64(self.active + 2 + h) * v1.WORD_BYTES) - 1
+      _sts(table + (v.experts + h) * 4, e)
+      _sts(table + e * 4, v1._ld(wsb + ws.count + Int64(e) * v1.WORD_BYTES))
     cute.arch.sync_threads()
     ok = _lds(ctl)
     n_hit = _lds(ctl + 4)
@@ -1525,6 +1527,40 @@ class RoleKernelsV2(v1.RoleKernelsV1):
           else:
             acc = v1._fadd(acc, p)
         _sts(a, acc)
+
+  @cute.jit
+  def _await_queue(self, counters: Int64, wsb: Int64, cur: Int32, bid: Int32) -> Int32:
+    """One thread: bounded wait until role 1 closed this call's active queue (`abi.active_queue`); 1 if it did,
+    else 0. An expired wait records the first expert role 1 left unpublished (``WAIT_READY + e``, observed
+    ``ready[e]``: a stalled role 1), or else ``WAIT_QUEUE`` + the queue's size so far."""
+    v, ws = self.v, self.ws
+    queue = counters + Int64(self.active) * v1.WORD_BYTES
+    flag = v1._gptr(wsb + abi.HEADER["error_flag"])
+    timeout = v1._ld(wsb + abi.HEADER["timeout_ns"], cutlass.Uint64)
+    start = cute.arch.globaltimer()
+    size = cute.arch.load(v1._gptr(queue + v1.WORD_BYTES), Int32, sem="acquire", scope="gpu")
+    fault = cute.arch.load(flag, Int32, sem="relaxed", scope="gpu")
+    elapsed = cutlass.Uint64(0)
+    while (size == 0) & (fault == 0) & (elapsed <= timeout):
+      cute.arch.inline_ptx("nanosleep.u32 {$r0};", read_only_args=[Int32(v1.SPIN_SLEEP_NS)])
+      size = cute.arch.load(v1._gptr(queue + v1.WORD_BYTES), Int32, sem="acquire", scope="gpu")
+      fault = cute.arch.load(flag, Int32, sem="relaxed", scope="gpu")
+      elapsed = cutlass.Uint64(cute.arch.globaltimer() - start)
+    ok = Int32(0)
+    if size > 0:
+      ok = Int32(1)
+      cute.arch.fence_acq_rel_gpu()  # the CTA reads the entries, count[e] and rows[e] after the barrier that follows
+    elif fault == 0:  # the bound expired: name what role 1 left unpublished, recorded once (the first fault wins)
+      appended = v1._ld(queue)
+      what = Int32(abi.WAIT_QUEUE) + appended
+      observed = appended
+      for x in range(v.experts):
+        r = _ld_gpu(wsb + ws.ready + Int64(x) * v1.WORD_BYTES)
+        if (r != cur) & (what >= abi.WAIT_QUEUE):
+          what = Int32(abi.WAIT_READY) + x
+          observed = r
+      v1._record_fault(wsb, 2, bid, cur, what, observed)
+    return ok
 
   @cute.jit
   def _wait_geq(self, addr: Int64, target: Int32, wsb: Int64, cur: Int32, bid: Int32, what: Int32,
