@@ -10,8 +10,8 @@ runtime (`csrc/`) receives them as FFI attributes computed here, so the two cann
 **Epoch protocol.** ``header.epoch`` counts completed calls. Every role reads it at start and works on
 ``cur = epoch + 1``; role 1 publishes expert e by storing ``ready[e] = cur`` (release) after writing ``count[e]``
 and ``rows[e]``, and in the v2 kernels appends an expert with rows to the call's active queue (`active_queue`);
-role 2 waits for ``ready[e] == cur`` (v1) or for the queue entry of its item (v2; acquire, bounded by
-``header.timeout_ns``); role 3 runs after both (graph edges) and stores ``epoch = cur`` last. Nothing is reset
+role 2 waits for ``ready[e] == cur`` (v1) or for the queue's final size (v2, which then reads the closed queue;
+acquire, bounded by ``header.timeout_ns``); role 3 runs after both (graph edges) and stores ``epoch = cur`` last. Nothing is reset
 between calls, and a replay under an XLA command buffer (where the host handler is not called) stays correct because
 the epoch lives on the device.
 
@@ -93,8 +93,8 @@ WAIT_PEER, WAIT_RECEIVED, WAIT_RETURNS = 0x40000, 0x50000, 0x60000
 WAIT_RELAY = 0x70000  # a relay copier (role 2) waited for experts' GEMM2 items (observed: experts left)
 WAIT_PIPE = 0x80000  # role 2's K loop waited for a stage's copies or readers (observed: the K128 block)
 WAIT_GATE = 0x90000  # a role-1 CTA of the direct scan (B <= 2) waited for block 0's scan of the peers (role 4)
-# Role 2 waited for entry h of role 1's active queue (+ h; observed: the append position). Where an expert is still
-# unpublished when the bound expires, the record names it instead (WAIT_READY + e, observed ready[e]).
+# Role 2 waited for role 1 to close its active queue (+ the entries appended; observed: the same). Where an expert is
+# still unpublished when the bound expires, the record names it instead (WAIT_READY + e, observed ready[e]).
 WAIT_QUEUE = 0xA0000
 STALL_CALL = -2  # stall_expert of a fused-transport rank that never publishes its call (x_ready) to the peers
 ROLE_TRANSPORT = 4  # error_role of an expired fused-transport wait (error_counter: WAIT_PEER..WAIT_RELAY, WAIT_GATE)

@@ -58,7 +58,8 @@ Every wait is bounded as in v1 (``header.timeout_ns``); a timeout records (role 
 (``par = cur & 1``) and role 3 zeroes the next call's (``roles_v1`` role 3), so no reset pass runs and a faulted
 call leaves the next one clean.
 
-Roles 1 and 3 are v1's (role 1 also fills the active queue, role 3 also resets the counters). Role 2: block 256, dynamic SMEM `dynamic_smem`.
+Roles 1 and 3 are v1's (role 1 also fills the active queue, role 3 also resets the counters). Role 2: block 256,
+dynamic SMEM `dynamic_smem`.
 
 **The sm_120a seam** (docs/sm120.md). Built for ``sm_120a``/``sm_121a``, everything above stays (items, pipeline,
 swizzled weight tile and ldmatrix fragments, epilogues, waits) and three things change: phase 0 and the requant
@@ -698,7 +699,6 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     self.words = abi.counter_words(v.experts, v.capacity, v.shared, v.ranks, v.relay)
     self.relay_base = abi.relay_counters(v.experts, v.capacity, v.shared)
     self.queue = abi.queue_counter(v.experts, v.capacity, v.shared, v.ranks, v.relay)
-    self.active = abi.active_queue(v.experts, v.capacity, v.shared, v.ranks, v.relay)
     # Items are claimed from a queue (an atomic add per item) in item order, so a CTA that finished early takes the
     # next item: static round-robin gave GLM5.2 B = 1 a critical path of 2 GEMM1 + 1 GEMM2 items against a mean of
     # 1.6 GEMM1 items' worth (docs/kernels_v2.md "The item queue"). `GCMOE_ABLATION=static` builds the round-robin.
@@ -1044,6 +1044,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       _red_release_add(counters + v.experts * v1.WORD_BYTES, 1)
 
     # ---- the experts hit: role 1's active queue, once it is closed ---------------------------------------------
+    queue = self._active_queue(wsb, cur)
     ok = Int32(1)
     if tid == 0:
       ok = self._wait_geq(counters + v.experts * v1.WORD_BYTES, grid32, wsb, cur, bid, abi.WAIT_XQ)
@@ -1053,14 +1054,13 @@ class RoleKernelsV2(v1.RoleKernelsV1):
           _fence_sys()
           _st_release_sys(wsb + abi.HEADER["x_ready"], cur)
       if ok != 0:
-        ok = self._await_queue(counters, wsb, cur, bid)
+        ok = self._await_queue(queue, wsb, cur, bid)
       _sts(ctl, ok)
-      _sts(ctl + 4, cutlass.select_(ok != 0, v1._ld(counters + Int64(self.active + 1) * v1.WORD_BYTES) - 1,
-                                    Int32(0)))
+      _sts(ctl + 4, cutlass.select_(ok != 0, v1._ld(queue + v1.WORD_BYTES) - 1, Int32(0)))
     cute.arch.sync_threads()
     # The table: count[e] at 4 e, the experts hit in queue (publication) order from 4 E.
     for h in range(tid, _lds(ctl + 4), THREADS):
-      e = v1._ld(counters + Int64(self.active + 2 + h) * v1.WORD_BYTES) - 1
+      e = v1._ld(queue + Int64(2 + h) * v1.WORD_BYTES) - 1
       _sts(table + (v.experts + h) * 4, e)
       _sts(table + e * 4, v1._ld(wsb + ws.count + Int64(e) * v1.WORD_BYTES))
     cute.arch.sync_threads()
@@ -1529,23 +1529,12 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         _sts(a, acc)
 
   @cute.jit
-  def _await_queue(self, counters: Int64, wsb: Int64, cur: Int32, bid: Int32) -> Int32:
-    """One thread: bounded wait until role 1 closed this call's active queue (`abi.active_queue`); 1 if it did,
-    else 0. An expired wait records the first expert role 1 left unpublished (``WAIT_READY + e``, observed
+  def _await_queue(self, queue: Int64, wsb: Int64, cur: Int32, bid: Int32) -> Int32:
+    """One thread: bounded wait until role 1 closed this call's active queue at ``queue`` (`abi.active_queue`); 1 if
+    it did, else 0. An expired wait records the first expert role 1 left unpublished (``WAIT_READY + e``, observed
     ``ready[e]``: a stalled role 1), or else ``WAIT_QUEUE`` + the queue's size so far."""
     v, ws = self.v, self.ws
-    queue = counters + Int64(self.active) * v1.WORD_BYTES
-    flag = v1._gptr(wsb + abi.HEADER["error_flag"])
-    timeout = v1._ld(wsb + abi.HEADER["timeout_ns"], cutlass.Uint64)
-    start = cute.arch.globaltimer()
-    size = cute.arch.load(v1._gptr(queue + v1.WORD_BYTES), Int32, sem="acquire", scope="gpu")
-    fault = cute.arch.load(flag, Int32, sem="relaxed", scope="gpu")
-    elapsed = cutlass.Uint64(0)
-    while (size == 0) & (fault == 0) & (elapsed <= timeout):
-      cute.arch.inline_ptx("nanosleep.u32 {$r0};", read_only_args=[Int32(v1.SPIN_SLEEP_NS)])
-      size = cute.arch.load(v1._gptr(queue + v1.WORD_BYTES), Int32, sem="acquire", scope="gpu")
-      fault = cute.arch.load(flag, Int32, sem="relaxed", scope="gpu")
-      elapsed = cutlass.Uint64(cute.arch.globaltimer() - start)
+    size, fault = self._spin_geq(queue + v1.WORD_BYTES, Int32(1), wsb)
     ok = Int32(0)
     if size > 0:
       ok = Int32(1)
@@ -1563,13 +1552,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     return ok
 
   @cute.jit
-  def _wait_geq(self, addr: Int64, target: Int32, wsb: Int64, cur: Int32, bid: Int32, what: Int32,
-                role: cutlass.Constexpr = 2, scope: cutlass.Constexpr = "gpu",
-                patience: cutlass.Constexpr = 1) -> Int32:
-    """One thread: bounded acquire-spin until the counter at ``addr`` reaches ``target``; 1 if it did, else 0
-    (a timeout is recorded as ``role`` with counter ``what``; another CTA's fault ends the wait too). ``scope``
-    "sys": a counter or flag a peer (maybe another GPU) writes. ``patience``: the bound in timeouts (a wait on a
-    thread that itself waits with the plain bound takes 2, so that thread's diagnostic is the one recorded)."""
+  def _spin_geq(self, addr: Int64, target: Int32, wsb: Int64, scope: cutlass.Constexpr = "gpu",
+                patience: cutlass.Constexpr = 1):
+    """One thread: acquire-spin on the counter at ``addr`` until it reaches ``target``, another CTA records a fault,
+    or ``patience`` timeouts pass; (the value last seen, the error flag last seen). No fence, nothing recorded."""
     flag = v1._gptr(wsb + abi.HEADER["error_flag"])
     timeout = v1._ld(wsb + abi.HEADER["timeout_ns"], cutlass.Uint64)
     if cutlass.const_expr(patience != 1):
@@ -1583,6 +1569,17 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       seen = cute.arch.load(v1._gptr(addr), Int32, sem="acquire", scope=scope)
       fault = cute.arch.load(flag, Int32, sem="relaxed", scope="gpu")
       elapsed = cutlass.Uint64(cute.arch.globaltimer() - start)
+    return seen, fault
+
+  @cute.jit
+  def _wait_geq(self, addr: Int64, target: Int32, wsb: Int64, cur: Int32, bid: Int32, what: Int32,
+                role: cutlass.Constexpr = 2, scope: cutlass.Constexpr = "gpu",
+                patience: cutlass.Constexpr = 1) -> Int32:
+    """One thread: bounded acquire-spin until the counter at ``addr`` reaches ``target``; 1 if it did, else 0
+    (a timeout is recorded as ``role`` with counter ``what``; another CTA's fault ends the wait too). ``scope``
+    "sys": a counter or flag a peer (maybe another GPU) writes. ``patience``: the bound in timeouts (a wait on a
+    thread that itself waits with the plain bound takes 2, so that thread's diagnostic is the one recorded)."""
+    seen, fault = self._spin_geq(addr, target, wsb, scope, patience)
     ok = Int32(0)
     if seen >= target:
       ok = Int32(1)
