@@ -75,6 +75,22 @@ def test_the_timed_chain_is_pre_normed_so_long_chains_stay_finite(monkeypatch):
   assert rows[0].note == "output not finite: the timed layers ran exceptional paths" and rows[0].latency_us > 0
 
 
+def test_back_to_back_runs_chain_each_program_on_the_previous_output():
+  """A timed run dispatches ``depth`` programs, each on the last one's output (a decode loop's data dependence),
+  and a run's time is divided by ``depth``."""
+  seen = []
+
+  def step(x, inc):
+    seen.append(float(x[0]))
+    return x + inc
+
+  times = sweep.time_back_to_back(step, (jnp.ones(4), jnp.full(4, 2.0)), iters=3, warmup=2, depth=5)
+  assert len(times) == 3 and all(t > 0 for t in times)
+  assert seen == [1.0, 3.0, 5.0, 7.0, 9.0] * 5  # every run starts again from args[0]
+  one = sweep.time_back_to_back(step, (jnp.ones(4), jnp.full(4, 2.0)), iters=1, warmup=1, depth=1)
+  assert len(one) == 1 and len(seen) == 25 + 2
+
+
 def test_sweep_writes_csv_png_and_table(tiny_rows, tmp_path):
   sweep.write_csv(tiny_rows, tmp_path / "b.csv")
   sweep.plot(tiny_rows, tmp_path / "b.png", title="tiny")
@@ -144,6 +160,8 @@ def test_run_errors():
     sweep.run(TINY, (0,), ("ragged_dot",), progress=False)
   with pytest.raises(ValueError, match=r"^bench: iters must be >= 1, got 0$"):
     sweep.run(TINY, (1,), ("ragged_dot",), iters=0, progress=False)
+  with pytest.raises(ValueError, match=r"^bench: back_to_back must be >= 1, got 0$"):
+    sweep.run(TINY, (1,), ("ragged_dot",), back_to_back=0, progress=False)
   if not dict(gm.explain().reasons)["cuda"].ok:
     with pytest.raises(RuntimeError, match=r"^moe: backend='cuda' cannot run here"):
       sweep.check_impls(("gcmoe:cuda",))
@@ -158,6 +176,7 @@ def test_run_errors():
     "--shared-intermediate", "256"], "bench: --shared-intermediate requires --shared, got it without --shared"),
   (["--impl", "ragged_dot,foo"], "bench: impl must be among"),
   (["--batch", "0", "--impl", "ragged_dot"], r"bench: batch sizes must be >= 1, got \[0\]"),
+  (["--back-to-back", "0", "--impl", "ragged_dot"], r"bench: back_to_back must be >= 1, got 0"),
   (["--model", "custom", "--experts", "4", "--hidden", "512", "--intermediate", "256", "--topk", "5"],
    r"bench: top-k must be in \[1, min\(32, E\)\] = \[1, 4\], got 5"),
 ])

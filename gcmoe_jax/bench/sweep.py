@@ -11,9 +11,13 @@ Timing, as a decode step runs layers: one jitted program chains ``chain`` layers
 (x_n = x_{n-1} + layer(rmsnorm(x_{n-1})), one fused add and norm per layer for every implementation), every layer
 with its own routes and alternating between two copies of the weights, so no layer finds its weights in L2 and no
 input repeats. The program is compiled and run ``warmup`` times, then ``iters`` times; the latency of a point is
-the median over those runs of (program time / ``chain``), each run ended by `block_until_ready` (the only host
-synchronisation in the timed region; inputs live on the device beforehand). A point whose output is not finite
-says so in its note.
+the median over those runs of (run time / (``back_to_back`` x ``chain``)). A run dispatches ``back_to_back``
+programs, each reading the previous one's output as its residual stream, as a jitted decode loop does, and ends
+with one `block_until_ready` (the only host synchronisation in the timed region; inputs live on the device
+beforehand). So the host's dispatch of a program overlaps the device's work on the one before, and what is timed
+approaches the device time per layer (what CUDA events around the layers would measure); ``back_to_back=1`` times
+each program alone, its dispatch and final synchronisation included (the tables before 2026-12-03). A point whose
+output is not finite says so in its note.
 
 The floor of a batch is the larger of two times (issue 6):
 
@@ -48,13 +52,14 @@ from gcmoe_jax.bench import baselines
 from gcmoe_jax.bench.problems import DEMO_SHAPE, make_routes
 
 __all__ = ["BASELINES", "IMPLS", "BenchShape", "Row", "default_impls", "measure_bandwidth", "measure_fp8_rate",
-           "expert_bytes", "model_shape", "plot", "run", "to_markdown", "write_csv"]
+           "time_back_to_back", "expert_bytes", "model_shape", "plot", "run", "to_markdown", "write_csv"]
 
 BASELINES = ("ragged_dot", "dense_gather")
 IMPLS = (*BASELINES, "emulated", *(f"gcmoe:{b}" for b in api.BACKENDS if b != "auto"))
 DEFAULT_RANKS = 8
 DEFAULT_MAX_GATHER_BYTES = 8 << 30
 DEFAULT_CHAIN = 8
+DEFAULT_BACK_TO_BACK = 4
 NOT_FINITE_NOTE = "output not finite: the timed layers ran exceptional paths"
 CSV_COLUMNS = ("model", "device", "impl", "batch", "experts", "hidden", "intermediate", "top_k",
                "shared_intermediate", "distinct_experts", "weight_bytes", "bandwidth_gbs", "flops", "fp8_tflops",
@@ -129,6 +134,29 @@ def time_call(fn: Callable[..., Any], args: Sequence[Any], *, iters: int, warmup
     t0 = time.perf_counter()
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - t0)
+  return times
+
+
+def time_back_to_back(fn: Callable[..., Any], args: Sequence[Any], *, iters: int, warmup: int,
+                      depth: int) -> list[float]:
+  """Seconds per program of each of ``iters`` runs after ``warmup`` untimed ones: a run dispatches ``depth`` calls,
+  ``x = fn(x, *args[1:])`` from ``x = args[0]`` (so ``fn`` returns its first argument's shape and type), and waits
+  for the last. With ``depth`` > 1 the device runs the programs back to back while the host dispatches the next."""
+  x0, rest = args[0], tuple(args[1:])
+
+  def once():
+    x = x0
+    for _ in range(depth):
+      x = fn(x, *rest)
+    return jax.block_until_ready(x)
+
+  for _ in range(max(warmup, 1)):
+    once()
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    once()
+    times.append((time.perf_counter() - t0) / depth)
   return times
 
 
@@ -364,7 +392,7 @@ class Progress:
 
 def run(shape: BenchShape, batches: Sequence[int], impls: Sequence[str] | None = None, *, iters: int = 10,
         warmup: int = 2, seed: int = 0, bandwidth: float | None = None, bandwidth_nbytes: int | None = None,
-        fp8_rate: float | None = None, chain: int = DEFAULT_CHAIN,
+        fp8_rate: float | None = None, chain: int = DEFAULT_CHAIN, back_to_back: int = DEFAULT_BACK_TO_BACK,
         max_gather_bytes: int = DEFAULT_MAX_GATHER_BYTES, progress: bool = True) -> list[Row]:
   """Times every implementation at every batch size; one `Row` each, baseline speed-ups filled in.
 
@@ -378,11 +406,12 @@ def run(shape: BenchShape, batches: Sequence[int], impls: Sequence[str] | None =
     bandwidth_nbytes: the probe's buffer size (`measure_bandwidth`'s default when None).
     fp8_rate: dense FP8 GEMM FLOP/s for the compute floor; measured with `measure_fp8_rate` when None.
     chain: layers per timed program (module docstring).
+    back_to_back: programs dispatched per timed run, each on the previous one's output (module docstring).
     max_gather_bytes: ``dense_gather`` is skipped (with a note) when one slot's gathered weights exceed this.
     progress: draw a progress bar on stderr.
 
   Raises:
-    ValueError, RuntimeError: from `check_impls`; ValueError for a batch < 1 or iters < 1.
+    ValueError, RuntimeError: from `check_impls`; ValueError for a batch, iters, chain or back_to_back < 1.
   """
   impls = tuple(default_impls() if impls is None else impls)
   check_impls(impls)
@@ -392,6 +421,8 @@ def run(shape: BenchShape, batches: Sequence[int], impls: Sequence[str] | None =
     raise ValueError(f"bench: iters must be >= 1, got {iters}")
   if chain < 1:
     raise ValueError(f"bench: chain must be >= 1, got {chain}")
+  if back_to_back < 1:
+    raise ValueError(f"bench: back_to_back must be >= 1, got {back_to_back}")
   bar = Progress((bandwidth is None) + (fp8_rate is None) + len(batches) * len(impls)) if progress else None
   if bar and bandwidth is None:
     bar.step("measuring bandwidth")
@@ -416,7 +447,7 @@ def run(shape: BenchShape, batches: Sequence[int], impls: Sequence[str] | None =
       else:
         fn, args = _impl_call(impl, p, x, ids, rw)
         try:
-          times = time_call(fn, args, iters=iters, warmup=warmup)
+          times = time_back_to_back(fn, args, iters=iters, warmup=warmup, depth=back_to_back)
           finite = bool(jnp.isfinite(fn(*args)).all())  # outside the timed runs
         except Exception as e:  # noqa: BLE001 - one failing point (e.g. out of memory) must not lose the sweep
           row.note = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"

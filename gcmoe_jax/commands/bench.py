@@ -61,6 +61,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                  help="dense FP8 GEMM rate in TFLOP/s for the compute floor, instead of measuring it")
   p.add_argument("--chain", type=int, default=sweep.DEFAULT_CHAIN,
                  help=f"layers chained in one timed program (default {sweep.DEFAULT_CHAIN}; see the module docs)")
+  p.add_argument("--back-to-back", type=int, default=sweep.DEFAULT_BACK_TO_BACK,
+                 help=f"programs dispatched per timed run, each on the previous one's output, so the host's dispatch "
+                      f"overlaps the device's work (default {sweep.DEFAULT_BACK_TO_BACK}; 1 times each program alone)")
   p.add_argument("--out", default="bench-results", help="directory for the CSV and PNG (default bench-results)")
   custom = p.add_argument_group("custom shape (--model custom)")
   custom.add_argument("--experts", type=int, help="local experts E")
@@ -115,14 +118,14 @@ def run(args: argparse.Namespace) -> int:
   print(f"gcmoe_jax {gm.__version__} on jax {jax.__version__}, device: {device.device_kind} "
         f"({jax.default_backend()}, {os.cpu_count()} host CPUs)")
   print(shape.describe())
-  print(f"B = {','.join(map(str, batches))}; impls = {','.join(impls)}; median of {args.iters} runs of a "
-        f"{args.chain}-layer chain after {args.warmup} warm-up")
+  print(f"B = {','.join(map(str, batches))}; impls = {','.join(impls)}; median of {args.iters} runs of "
+        f"{args.back_to_back} back-to-back {args.chain}-layer programs after {args.warmup} warm-up")
   try:
     rows = sweep.run(shape, batches, impls, iters=args.iters, warmup=args.warmup, seed=args.seed,
                      bandwidth=None if args.bandwidth is None else args.bandwidth * 1e9,
                      bandwidth_nbytes=None if args.bandwidth_mib is None else args.bandwidth_mib << 20,
                      fp8_rate=None if args.fp8_tflops is None else args.fp8_tflops * 1e12, chain=args.chain,
-                     max_gather_bytes=int(args.max_gather_gib * 2**30))
+                     back_to_back=args.back_to_back, max_gather_bytes=int(args.max_gather_gib * 2**30))
   except (TypeError, ValueError) as e:
     print(e, file=sys.stderr)
     return 2
