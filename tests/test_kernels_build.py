@@ -567,6 +567,22 @@ def test_the_routedfirst_build_changes_only_role_2s_item_order(cache, monkeypatc
 
 @needs_dsl
 @pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
+def test_the_shhalf_build_splits_only_the_shared_gemm1_items(cache, monkeypatch):
+  """GCMOE_ABLATION=shhalf (timing only: shared GEMM1 items of 32 W13 rows, each warp on two of its K128 tile's four
+  K32 blocks) builds under its own key with roles 1 and 3 as they are; role 2 unrolls half the shared GEMM1 blocks,
+  so it has fewer MMAs."""
+  normal = build.compile_variant("sm_90a", SMALL_SHARED, cache_dir=cache)
+  monkeypatch.setenv("GCMOE_ABLATION", "shhalf")
+  half = build.compile_variant("sm_90a", SMALL_SHARED, cache_dir=cache)
+  assert "+shhalf-" in half["key"] and half["key"] != normal["key"]
+  for role in (1, 3):
+    assert _ptx(half, role) == _ptx(normal, role)
+  op = "mma.sync.aligned.m16n8k32"
+  assert 0 < _ptx(half, 2).count(op) < _ptx(normal, 2).count(op)
+
+
+@needs_dsl
+@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
 def test_the_timeline_build_stamps_every_role(built, cache, monkeypatch):
   """GCMOE_ABLATION=timeline (`gcmoe_jax.bench.timeline`) adds %globaltimer reads to roles 1, 2 and 3 (the normal
   build reads the timer only in its bounded waits), under its own key."""

@@ -650,6 +650,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # activation columns (64 W13 rows, one K32 block of its output), its GEMM2 in blocks of 64 output columns.
     self.n_cb = v.shared_intermediate // v1.K32 if v.shared else 0
     self.n_hb = v.hidden // SH_ROWS if v.shared else 0
+    # GEMM1 items per block of 32 activation columns: 1; the `shhalf` timing build takes 2 of 32 W13 rows each.
+    self.sh_split = 2 if self.ablation == "shhalf" else 1
     # SMEM: control words, the expert table (count[e], then the hit list), then the pipeline, in which the
     # shared-expert items (`SH_BYTES`) also run.
     self.table = CTRL_BYTES
@@ -1080,7 +1082,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     n_s2 = Int32(0)
     n_tg = (n_tok + self.sh.tokens - 1) // self.sh.tokens
     if cutlass.const_expr(v.shared):
-      n_s1 = n_tg * self.n_cb
+      n_s1 = n_tg * self.n_cb * self.sh_split
       n_s2 = n_tg * self.n_hb
     n_items = cutlass.select_(ok != 0, n1 + n2 + n_s1 + n_s2, Int32(0))
     if cutlass.const_expr(v.shared):  # where each kind's items start in the queue
@@ -1250,10 +1252,18 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     sh = self.sh
     t0 = tg * sh.tokens
     nt = cutlass.min(n_tok - t0, Int32(sh.tokens))
-    self._shared_dispatch(nt, t0, s13, s13s, 2 * v.shared_intermediate, v.hidden, cb * SH_ROWS,
-                          wsb + ws.sxp, wsb + ws.sxe, sb)
     col = tid % 32
-    gate = (col // v1.GATE_UP_GROUP) * (2 * v1.GATE_UP_GROUP) + col % v1.GATE_UP_GROUP
+    if cutlass.const_expr(self.sh_split == 1):
+      self._shared_dispatch(nt, t0, s13, s13s, 2 * v.shared_intermediate, v.hidden, cb * SH_ROWS,
+                            wsb + ws.sxp, wsb + ws.sxe, sb)
+    else:
+      # Timing only: item cb is half cb % 2 of block cb // 2 (32 W13 rows), which requantizes its 16 columns as
+      # if they were the block's 32 (wrong results; the split's cost without the halves' exchange).
+      self._shared_dispatch(nt, t0, s13, s13s, 2 * v.shared_intermediate, v.hidden, cb * (SH_ROWS // 2),
+                            wsb + ws.sxp, wsb + ws.sxe, sb, SH_ROWS // 2)
+      cb = cb // 2
+    src = col if cutlass.const_expr(self.sh_split == 1) else col % 16
+    gate = (src // v1.GATE_UP_GROUP) * (2 * v1.GATE_UP_GROUP) + src % v1.GATE_UP_GROUP
     for j in cutlass.range_constexpr(sh.tokens // WARPS):
       tok = tid // 32 + j * WARPS
       if tok < nt:  # warp-uniform: a warp per token, a lane per column
@@ -1281,7 +1291,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     nt = cutlass.min(n_tok - t0, Int32(sh.tokens))
     ok = Int32(1)
     if tid == 0:
-      ok = self._wait_geq(counter, Int32(self.n_cb), wsb, cur, bid, abi.WAIT_SHARED + t0)
+      ok = self._wait_geq(counter, Int32(self.n_cb * self.sh_split), wsb, cur, bid, abi.WAIT_SHARED + t0)
     failed = Int32(0)
     if _bar_or(ok == 0) != 0:
       failed = Int32(1)
@@ -1300,23 +1310,25 @@ class RoleKernelsV2(v1.RoleKernelsV1):
 
   @cute.jit
   def _shared_dispatch(self, nt: Int32, t0: Int32, pw: Int64, psc: Int64, n: cutlass.Constexpr,
-                       k: cutlass.Constexpr, row0: Int32, ap: Int64, ae: Int64, sb: Int32):
+                       k: cutlass.Constexpr, row0: Int32, ap: Int64, ae: Int64, sb: Int32,
+                       rows: cutlass.Constexpr = SH_ROWS):
     """`_shared_core` for one token (its copies and in-order adds of one column), for up to one n-tile of tokens
     (`SH_TOKENS`), or, in the variants of wide groups, for up to two."""
     if nt == 1:
-      self._shared_core(1, nt, t0, pw, psc, n, k, row0, ap, ae, sb)
+      self._shared_core(1, nt, t0, pw, psc, n, k, row0, ap, ae, sb, rows)
     else:
       if cutlass.const_expr(self.sh.tokens > SH_TOKENS):
         if nt > SH_TOKENS:
-          self._shared_core(self.sh.tokens, nt, t0, pw, psc, n, k, row0, ap, ae, sb)
+          self._shared_core(self.sh.tokens, nt, t0, pw, psc, n, k, row0, ap, ae, sb, rows)
         else:
-          self._shared_core(SH_TOKENS, nt, t0, pw, psc, n, k, row0, ap, ae, sb)
+          self._shared_core(SH_TOKENS, nt, t0, pw, psc, n, k, row0, ap, ae, sb, rows)
       else:
-        self._shared_core(SH_TOKENS, nt, t0, pw, psc, n, k, row0, ap, ae, sb)
+        self._shared_core(SH_TOKENS, nt, t0, pw, psc, n, k, row0, ap, ae, sb, rows)
 
   @cute.jit
   def _shared_core(self, tbc: cutlass.Constexpr, nt: Int32, t0: Int32, pw: Int64, psc: Int64, n: cutlass.Constexpr,
-                   k: cutlass.Constexpr, row0: Int32, ap: Int64, ae: Int64, sb: Int32):
+                   k: cutlass.Constexpr, row0: Int32, ap: Int64, ae: Int64, sb: Int32,
+                   rows: cutlass.Constexpr = SH_ROWS):
     """``acc[t][r] = sum over K32 blocks b in order of p(t, r, b)`` (the FP8 x FP8 block dots of the `reference`
     module doc) for the group's tokens t < tbc (those past ``nt`` read zeros) and weight rows row0 + r, r < 64,
     into SMEM (``self.sh.acc``).
@@ -1333,25 +1345,26 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     for i in range(tid, self.sh.tokens * SH_ROWS, THREADS):
       _sts(sb + self.sh.acc + i * 4, Int32(0))
     _sts(sb + SH_TAB + tid * 4, _digit_entry(tid))  # 256 threads, 256 codes: read after the first step's barrier
-    self._sh_issue(tbc, Int32(0), Int32(0), nt, t0, pw, psc, n, k, row0, ap, ae, sb)
+    self._sh_issue(tbc, Int32(0), Int32(0), nt, t0, pw, psc, n, k, row0, ap, ae, sb, rows)
     _commit()
     for s in range(n_steps):
       buf = s & 1
       if s > 0:
-        self._sh_accumulate(tbc, s - 1, k, sb)
+        self._sh_accumulate(tbc, s - 1, k, sb, rows)
       if s + 1 < n_steps:
-        self._sh_issue(tbc, s + 1, buf ^ 1, nt, t0, pw, psc, n, k, row0, ap, ae, sb)
+        self._sh_issue(tbc, s + 1, buf ^ 1, nt, t0, pw, psc, n, k, row0, ap, ae, sb, rows)
       _commit()
       _wait_group(1)  # this thread's copies of step s have landed
       cute.arch.sync_threads()
-      self._sh_compute(tbc, s, buf, k, sb)
+      self._sh_compute(tbc, s, buf, k, sb, rows)
       cute.arch.sync_threads()
-    self._sh_accumulate(tbc, Int32(n_steps - 1), k, sb)
+    self._sh_accumulate(tbc, Int32(n_steps - 1), k, sb, rows)
     cute.arch.sync_threads()
 
   @cute.jit
   def _sh_issue(self, tbc: cutlass.Constexpr, s: Int32, buf: Int32, nt: Int32, t0: Int32, pw: Int64, psc: Int64,
-                n: cutlass.Constexpr, k: cutlass.Constexpr, row0: Int32, ap: Int64, ae: Int64, sb: Int32):
+                n: cutlass.Constexpr, k: cutlass.Constexpr, row0: Int32, ap: Int64, ae: Int64, sb: Int32,
+                rows: cutlass.Constexpr = SH_ROWS):
     """cp.async of step s into buffer buf: the two K128 tiles of the item's 64 weight rows and their scale words,
     the tbc tokens' digit planes, and the exponent words of the n-tiles' tokens (zeros past ``nt`` and past K, so
     the unused columns of the MMA keep every block exponent in range)."""
@@ -1362,19 +1375,19 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     nblk = k // v1.K32
     scale_words = -(-k // (v1.SCALES_PER_WORD * group))
     chunks = v1.K128 // 16  # per weight row and K128 tile
-    for i in cutlass.range_constexpr(2 * SH_ROWS * chunks // THREADS):
+    for i in cutlass.range_constexpr(2 * rows * chunks // THREADS):
       q = tid + THREADS * i
-      ts = q // (SH_ROWS * chunks)
-      r = (q // chunks) % SH_ROWS
+      ts = q // (rows * chunks)
+      r = (q // chunks) % rows
       c = q % chunks
       kt = 2 * s + ts
       if kt < k_tiles:
         src = pw + (Int64(kt) * n + row0 + r) * v1.FP8_TILE_BYTES + c * 16
         dst = sb + SH_W + ((buf * 2 + ts) * SH_ROWS + r) * v1.K128 + 16 * (c ^ ((r % 4) << 1))
         _cp16(dst, src, Int32(16))
-    if tid < 2 * SH_ROWS:
-      ts = tid // SH_ROWS
-      r = tid % SH_ROWS
+    if tid < 2 * rows:
+      ts = tid // rows
+      r = tid % rows
       kt = 2 * s + ts
       if kt < k_tiles:
         word = kt if group == v1.K32 else kt // 4
@@ -1397,7 +1410,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
                                                                                                 Int32(0)))
 
   @cute.jit
-  def _sh_compute(self, tbc: cutlass.Constexpr, s: Int32, buf: Int32, k: cutlass.Constexpr, sb: Int32):
+  def _sh_compute(self, tbc: cutlass.Constexpr, s: Int32, buf: Int32, k: cutlass.Constexpr, sb: Int32,
+                  rows: cutlass.Constexpr = SH_ROWS):
     """Step s's block dots on the tensor cores: warp w, the m16 tile w & 3 of the item's rows (A: the weights) x the
     group's ``tbc`` tokens (B), K128 tile 2 s + (w >> 2), its four K32 blocks; p(t, r, b) to ``self.sh.p``. The
     weights are decoded once per block for every token.
@@ -1411,14 +1425,18 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     warp's block lies within `SH_FAST_EXP`). The K order of the MMA is permuted the same way for A and B (thread t4
     holds the bytes 8 t4 .. 8 t4 + 7 of a block, in one 8-byte load), which leaves every integer sum as it is."""
     warp, lane, g, t4 = _lanes()
-    mt = warp % 4
+    mt = warp % (rows // 16)
     ts = warp // 4
     kt = 2 * s + ts
     if kt < k // v1.K128:
       tile = sb + SH_W + ((buf * 2 + ts) * SH_ROWS + 16 * mt + g) * v1.K128 + 8 * t4
       srow = sb + SH_S + ((buf * 2 + ts) * SH_ROWS + 16 * mt + g) * 4
       sw = (_lds(srow), _lds(srow + 8 * 4))
-      for j in cutlass.range_constexpr(4):
+      # 64 rows: the warp's m16 tile, all four blocks of its K128 tile; 32 rows: two of them (`shhalf`).
+      for jj in cutlass.range_constexpr(4 * rows // SH_ROWS):
+        j = jj
+        if cutlass.const_expr(rows != SH_ROWS):
+          j = (warp // 2) % 2 * 2 + jj
         lb = 4 * ts + j
         a = _sh_block_a(tile, j, g, sb + SH_TAB)
         if cutlass.const_expr(self.v.shared_group == v1.K32):
@@ -1508,13 +1526,14 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     _sh_store(p, es, (ex, ex), (out, out + 8 * 4), t4 == 2)
 
   @cute.jit
-  def _sh_accumulate(self, tbc: cutlass.Constexpr, s: Int32, k: cutlass.Constexpr, sb: Int32):
-    """A thread per (token, row): acc += p of step s's blocks, in increasing K."""
+  def _sh_accumulate(self, tbc: cutlass.Constexpr, s: Int32, k: cutlass.Constexpr, sb: Int32,
+                     rows: cutlass.Constexpr = SH_ROWS):
+    """A thread per (token, row < ``rows``): acc += p of step s's blocks, in increasing K."""
     tid, _, _ = cute.arch.thread_idx()
     sh = self.sh
-    row = tid % SH_ROWS
-    for j in cutlass.range_constexpr(-(-tbc * SH_ROWS // THREADS)):
-      tok = tid // SH_ROWS + j * (THREADS // SH_ROWS)
+    row = tid % rows
+    for j in cutlass.range_constexpr(-(-tbc * rows // THREADS)):
+      tok = tid // rows + j * (THREADS // rows)
       if tok < tbc:
         a = sb + sh.acc + (tok * SH_ROWS + row) * 4
         acc = _lds(a)
