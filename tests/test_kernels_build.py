@@ -546,18 +546,24 @@ def test_narrow_passes_of_routed_variants_meet_at_a_barrier_every_two_stages(bui
   assert waits(shared) - {1} == {n - 2 for n in waits(shared_per_stage) - {1}} != set()
 
 
+def _role2_only_ablation(ablation, cache, monkeypatch):
+  """SMALL_SHARED built normally and with ``GCMOE_ABLATION=ablation``: its own key, roles 1 and 3 unchanged."""
+  normal = build.compile_variant("sm_90a", SMALL_SHARED, cache_dir=cache)
+  monkeypatch.setenv("GCMOE_ABLATION", ablation)
+  ablated = build.compile_variant("sm_90a", SMALL_SHARED, cache_dir=cache)
+  assert f"+{ablation}-" in ablated["key"] and ablated["key"] != normal["key"]
+  for role in (1, 3):
+    assert _ptx(ablated, role) == _ptx(normal, role)
+  return normal, ablated
+
+
 @needs_dsl
 @pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
 def test_the_routedfirst_build_changes_only_role_2s_item_order(cache, monkeypatch):
   """GCMOE_ABLATION=routedfirst (the routed items first, the queue before session 18, for A/B timing) builds under
   its own key, with roles 1 and 3 as they are and role 2's MMAs and stores unchanged in number: only the item
   decode differs."""
-  normal = build.compile_variant("sm_90a", SMALL_SHARED, cache_dir=cache)
-  monkeypatch.setenv("GCMOE_ABLATION", "routedfirst")
-  first = build.compile_variant("sm_90a", SMALL_SHARED, cache_dir=cache)
-  assert "+routedfirst-" in first["key"] and first["key"] != normal["key"]
-  for role in (1, 3):
-    assert _ptx(first, role) == _ptx(normal, role)
+  normal, first = _role2_only_ablation("routedfirst", cache, monkeypatch)
   a, b = _ptx(normal, 2), _ptx(first, 2)
   assert a != b
   for op in ("mma.sync.aligned.m16n8k32", "cp.async.ca", "cp.async.cg", "st.global", "bar.sync"):
@@ -571,12 +577,7 @@ def test_the_shhalf_build_splits_only_the_shared_gemm1_items(cache, monkeypatch)
   """GCMOE_ABLATION=shhalf (timing only: shared GEMM1 items of 32 W13 rows, each warp on two of its K128 tile's four
   K32 blocks) builds under its own key with roles 1 and 3 as they are; role 2 unrolls half the shared GEMM1 blocks,
   so it has fewer MMAs."""
-  normal = build.compile_variant("sm_90a", SMALL_SHARED, cache_dir=cache)
-  monkeypatch.setenv("GCMOE_ABLATION", "shhalf")
-  half = build.compile_variant("sm_90a", SMALL_SHARED, cache_dir=cache)
-  assert "+shhalf-" in half["key"] and half["key"] != normal["key"]
-  for role in (1, 3):
-    assert _ptx(half, role) == _ptx(normal, role)
+  normal, half = _role2_only_ablation("shhalf", cache, monkeypatch)
   op = "mma.sync.aligned.m16n8k32"
   assert 0 < _ptx(half, 2).count(op) < _ptx(normal, 2).count(op)
 
