@@ -11,9 +11,9 @@ runtime (`csrc/`) receives them as FFI attributes computed here, so the two cann
 ``cur = epoch + 1``; role 1 publishes expert e by storing ``ready[e] = cur`` (release) after writing ``count[e]``
 and ``rows[e]``, and in the v2 kernels appends an expert with rows to the call's active queue (`active_queue`);
 role 2 waits for ``ready[e] == cur`` (v1) or for the queue's final size (v2, which then reads the closed queue;
-acquire, bounded by ``header.timeout_ns``); role 3 runs after both (graph edges) and stores ``epoch = cur`` last. Nothing is reset
-between calls, and a replay under an XLA command buffer (where the host handler is not called) stays correct because
-the epoch lives on the device.
+acquire, bounded by ``header.timeout_ns``); role 3 runs after both (graph edges) and stores ``epoch = cur`` last.
+Nothing is reset between calls, and a replay under an XLA command buffer (where the host handler is not called)
+stays correct because the epoch lives on the device.
 
 **Faults.** A wait that expires writes the error record (role, block, epoch, counter = the awaited expert,
 observed value) once (CAS on ``error.flag``), and the role returns without trapping, so the context stays usable;
