@@ -127,14 +127,7 @@ def default_impls() -> tuple[str, ...]:
 
 def time_call(fn: Callable[..., Any], args: Sequence[Any], *, iters: int, warmup: int) -> list[float]:
   """Seconds of each of ``iters`` calls ``fn(*args)`` after ``warmup`` calls (the first compiles)."""
-  for _ in range(max(warmup, 1)):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return times
+  return time_back_to_back(fn, args, iters=iters, warmup=warmup, depth=1)
 
 
 def time_back_to_back(fn: Callable[..., Any], args: Sequence[Any], *, iters: int, warmup: int,
