@@ -1252,17 +1252,16 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     sh = self.sh
     t0 = tg * sh.tokens
     nt = cutlass.min(n_tok - t0, Int32(sh.tokens))
+    rows = SH_ROWS // self.sh_split
+    self._shared_dispatch(nt, t0, s13, s13s, 2 * v.shared_intermediate, v.hidden, cb * rows,
+                          wsb + ws.sxp, wsb + ws.sxe, sb, rows)
     col = tid % 32
-    if cutlass.const_expr(self.sh_split == 1):
-      self._shared_dispatch(nt, t0, s13, s13s, 2 * v.shared_intermediate, v.hidden, cb * SH_ROWS,
-                            wsb + ws.sxp, wsb + ws.sxe, sb)
-    else:
+    src = col
+    if cutlass.const_expr(self.sh_split != 1):
       # Timing only: item cb is half cb % 2 of block cb // 2 (32 W13 rows), which requantizes its 16 columns as
       # if they were the block's 32 (wrong results; the split's cost without the halves' exchange).
-      self._shared_dispatch(nt, t0, s13, s13s, 2 * v.shared_intermediate, v.hidden, cb * (SH_ROWS // 2),
-                            wsb + ws.sxp, wsb + ws.sxe, sb, SH_ROWS // 2)
-      cb = cb // 2
-    src = col if cutlass.const_expr(self.sh_split == 1) else col % 16
+      cb = cb // self.sh_split
+      src = col % (rows // 2)  # the half's 16 columns: gate and up in its 32 rows
     gate = (src // v1.GATE_UP_GROUP) * (2 * v1.GATE_UP_GROUP) + src % v1.GATE_UP_GROUP
     for j in cutlass.range_constexpr(sh.tokens // WARPS):
       tok = tid // 32 + j * WARPS
