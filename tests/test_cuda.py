@@ -116,6 +116,33 @@ def test_the_shared_experts_one_token_groups_match_the_oracle_on_every_case_fami
         check(f"shared g{group} NaN last token T={tokens}", x.at[-1, 7].set(jnp.nan), w, r, p.shape.clamp)
 
 
+def test_a_one_token_groups_gemm1_halves_meet_in_their_exchange():
+  """A group of one token takes each shared GEMM1 column block in two items of 32 W13 rows, which meet in the block's
+  exchange (`abi.Workspace.shx`, `roles_v2._shared_gemm1`): after a T = 1 call the output is the oracle's bit for bit
+  and every block's tag is that call's epoch (both halves swapped it in). H = 640 leaves the halves' last K step one
+  K128 tile of the four a step holds."""
+  from gcmoe_jax.ffi import _cuda
+  from gcmoe_jax.kernels import abi, build
+  for hidden in (512, 640):
+    shape = dataclasses.replace(SMALL, tokens=1, hidden=hidden, shared_intermediate=256, shared_group=32)
+    x, w, r = quantized(make_problem("default", shape, seed=hidden))
+    clamp = 6.0 + hidden / 1024  # a clamp of its own: the workspace read back is this test's runtime's
+    step = jax.jit(lambda x, w=w, r=r, clamp=clamp: gm.moe(x, w, r, clamp=clamp, backend="cuda"))
+    for call in range(3):  # the tags of the earlier calls must not be taken for this one's
+      xi = x * (1.0 + call / 8)
+      y = step(xi)
+      want = emulated(xi, w, r.ids, r.weights, clamp=clamp)
+      assert _compare(f"one-token halves H={hidden} call {call}", y, want) == 1.0
+    variant = build.Variant(hidden, shape.intermediate, shape.experts, shape.top_k, 8, 256, 32)
+    ws = variant.workspace("v2")
+    raw = _cuda.debug_read_workspace(0, ws.total)
+    epoch = int(np.frombuffer(raw, np.uint32, 1)[0])
+    n_cb = 256 // 32
+    tags = np.frombuffer(raw, np.uint32, n_cb * abi.SHX_BYTES // 4, ws.shx)[:: abi.SHX_BYTES // 4]
+    print(f"\n  H={hidden}: epoch {epoch}, exchange tags {tags.tolist()}")
+    np.testing.assert_array_equal(tags, np.full(n_cb, epoch, np.uint32))
+
+
 def test_nan_activation_poisons_only_its_token():
   x, w, r = quantized(make_problem("default", SMALL_GPU, seed=3))
   y = np.asarray(gm.moe(x.at[5, 7].set(jnp.nan), w, r, backend="cuda"), np.float32)

@@ -72,11 +72,19 @@ def test_item_ranges_follow_role_2s_queue_order():
   assert abi.item_order(8, "timeline") == small  # the timeline build keeps the default queue
 
 
-def test_call_ranges_count_the_shared_token_groups_from_the_items():
-  # GLM5.2 B = 1 (8 experts hit, one group) and B = 64 with groups of 16 (4 groups); routed only
-  assert timeline.call_ranges(800, 8, 32, 48, 64, 96) == timeline.item_ranges(256, 384, 64, 96)
-  assert timeline.call_ranges(32 * 80 + 4 * 160, 32, 32, 48, 64, 96) == timeline.item_ranges(1024, 1536, 256, 384)
+def test_call_ranges_count_the_shared_items_of_the_token_groups():
+  # GLM5.2 B = 1 (8 experts hit, one group of one token: both shared GEMMs in two halves per column block), B = 8
+  # (one group), B = 64 with groups of 16 (4 groups), B = 33 (3 groups, the last of one token); routed only
+  assert timeline.call_ranges(960, 8, 32, 48, 64, 96, tokens=1) == timeline.item_ranges(256, 384, 128, 192)
+  assert timeline.call_ranges(800, 8, 32, 48, 64, 96, tokens=8) == timeline.item_ranges(256, 384, 64, 96)
+  assert timeline.call_ranges(32 * 80 + 4 * 160, 32, 32, 48, 64, 96, tokens=64,
+                              group=16) == timeline.item_ranges(1024, 1536, 256, 384)
+  assert timeline.call_ranges(30 * 80 + 4 * 160, 30, 32, 48, 64, 96, tokens=33,
+                              group=16) == timeline.item_ranges(960, 1440, 256, 384)
   assert timeline.call_ranges(640, 8, 32, 48) == timeline.item_ranges(256, 384)
+  with pytest.raises(ValueError, match="800 items, expected 960 for 8 experts"):
+    timeline.call_ranges(800, 8, 32, 48, 64, 96, tokens=1)
+  assert [timeline.shared_group_tokens(c) for c in (8, 16, 32, 64, 256)] == [8, 8, 8, 16, 16]
 
 
 def test_item_stats_separate_the_kinds():

@@ -11,6 +11,8 @@ before session 18 (the one of docs/kernels_v2.md), else the default order of the
 The model: every CTA claims the next item when it is free (the queue), an item takes its kind's median time, a
 GEMM2 item starts after its expert's (or token group's) GEMM1 items; GLM5.2's item counts per expert and group.
 A shared GEMM2 item's work is taken from the end of the call's last shared GEMM1 item (exact for one token group).
+A one-token group's halves (session 23) replay as two groups of half-length items. A timeline of another build's
+queue (a count that does not match) is refused by `timeline.call_ranges`.
 """
 import heapq
 import sys
@@ -21,10 +23,10 @@ from gcmoe_jax.bench import timeline as tl
 from gcmoe_jax.kernels import abi
 
 
-def measured(words, hit, j1, j2, n_cb, n_hb, order):
+def measured(words, hit, j1, j2, n_cb, n_hb, order, tokens):
   """Per-kind pure work times (us): GEMM1 claim to end, GEMM2 from the end of its wait to its end."""
   _, c, t0, rec = tl.records(words)
-  r = tl.call_ranges(len(rec), hit, j1, j2, n_cb, n_hb, order)
+  r = tl.call_ranges(len(rec), hit, j1, j2, n_cb, n_hb, order, tokens, tl.shared_group_tokens(tokens))
   n_tg = (r["shared GEMM1"][1] - r["shared GEMM1"][0]) // n_cb
   pick = lambda k: rec[(rec[:, 0] >= r[k][0]) & (rec[:, 0] < r[k][1])]
   r1, s1, r2, s2 = (pick(k) for k in ("routed GEMM1", "shared GEMM1", "routed GEMM2", "shared GEMM2"))
@@ -80,7 +82,7 @@ if __name__ == "__main__":
     recorded = abi.item_order(b, recorded_as)  # B <= 32 iff the variant's capacity is
     for layer in range(len(z[key])):
       hit = hit_of(z[f"ids_b{b}"], layer)
-      work, start, end, ctas, n_tg = measured(z[key][layer], hit, j1, j2, n_cb, n_hb, recorded)
+      work, start, end, ctas, n_tg = measured(z[key][layer], hit, j1, j2, n_cb, n_hb, recorded, b)
       args = (work, start, ctas, hit, j1, j2, n_tg, n_cb, n_hb)
       d = simulate(("R1", "S1", "R2", "S2"), *args)
       f = simulate(("S1", "R1", "S2", "R2"), *args)

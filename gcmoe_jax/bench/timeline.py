@@ -128,13 +128,26 @@ def item_ranges(n1: int, n2: int, n_s1: int = 0, n_s2: int = 0,
   return out
 
 
+def shared_group_tokens(capacity: int) -> int:
+  """Tokens per shared-expert token group in role 2's sm_90a variant of token capacity ``capacity``: 16 in the
+  one-CTA variants (capacity above 32), else 8 (`roles_v2.RoleKernelsV2`'s ``sh``)."""
+  return 16 if capacity > 32 else 8
+
+
 def call_ranges(items: int, hit: int, j1: int, j2: int, n_cb: int = 0, n_hb: int = 0,
-                order: Sequence[str] = abi.ITEM_ORDER_ROUTED_FIRST) -> dict[str, tuple[int, int]]:
-  """`item_ranges` of a call with ``items`` items in all, ``hit`` experts hit, ``j1``/``j2`` routed GEMM1/GEMM2
-  items per expert and ``n_cb``/``n_hb`` shared GEMM1/GEMM2 items per token group (0: no shared expert); the
-  token groups (8 or 16 tokens, by the variant) follow from the count: items = hit (j1 + j2) + groups (n_cb + n_hb)."""
-  groups = (items - hit * (j1 + j2)) // (n_cb + n_hb) if n_cb + n_hb else 0
-  return item_ranges(hit * j1, hit * j2, groups * n_cb, groups * n_hb, order)
+                order: Sequence[str] = abi.ITEM_ORDER_ROUTED_FIRST, tokens: int = 0,
+                group: int = 8) -> dict[str, tuple[int, int]]:
+  """`item_ranges` of a call of ``tokens`` tokens with ``items`` items in all, ``hit`` experts hit, ``j1``/``j2``
+  routed GEMM1/GEMM2 items per expert and ``n_cb``/``n_hb`` shared GEMM1/GEMM2 items per token group of ``group``
+  tokens (0: no shared expert). A last group of one token takes two items (halves) per column block of both shared
+  GEMMs, as if it were two groups. The count must match, else ValueError (another build's queue)."""
+  groups = -(-tokens // group) if n_cb + n_hb else 0
+  per = groups + (1 if groups and tokens - (groups - 1) * group == 1 else 0)
+  want = hit * (j1 + j2) + per * (n_cb + n_hb)
+  if items != want:
+    raise ValueError(f"call_ranges: {items} items, expected {want} for {hit} experts x ({j1} + {j2}) and {tokens} "
+                     f"tokens in groups of {group} x ({n_cb} + {n_hb}) shared items")
+  return item_ranges(hit * j1, hit * j2, per * n_cb, per * n_hb, order)
 
 
 def item_stats(words: np.ndarray, ranges: dict[str, tuple[int, int]]) -> list[ItemStats]:
@@ -200,11 +213,12 @@ def _run(model: str, batches: Sequence[int], chain: int, shared: bool, save: str
     order = np.argsort(slots[:, 4].astype(np.int64))[-chain:]  # the last call's layers, in order
     ids_np = np.asarray(ids)
     raw_slots[f"slots_b{b}"], raw_slots[f"ids_b{b}"] = slots[order], ids_np
-    queue = abi.item_order(_cuda.capacity_for(min(b, _cuda.CAPACITIES[-1])), _config.get("GCMOE_ABLATION"))
+    capacity = _cuda.capacity_for(min(b, _cuda.CAPACITIES[-1]))
+    queue = abi.item_order(capacity, _config.get("GCMOE_ABLATION"))
     for layer, si in enumerate(order):
       hit = np.unique(ids_np[layer][ids_np[layer] >= 0]).size
       items = int(records(slots[si])[1][:, 4].sum())
-      ranges = call_ranges(items, hit, j1, j2, n_cb, n_hb, queue)
+      ranges = call_ranges(items, hit, j1, j2, n_cb, n_hb, queue, b, shared_group_tokens(capacity))
       t = summarize(slots[si], ranges["routed GEMM1"])
       rows.append((b, layer, t))
       kinds.append((b, layer, item_stats(slots[si], ranges)))

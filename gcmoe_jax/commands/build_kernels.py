@@ -39,6 +39,7 @@ def _preset_tests() -> list[tuple[int, ...]]:
       out += [small, (*small, 256, 128), (*small, 256, 32)]
   out += [(*_SMALL[:3], k, 256) for k in (1, 4)]  # T > 256 in chunks of 256 (test_cuda.py)
   out.append((*_SMALL[:3], 4, 16, 384, 128))  # a shared GEMM2 of an odd number of K128 tiles (Is = 384)
+  out.append((640, *_SMALL[1:3], 4, 8, 256, 32))  # a one-token half's last K step of one K128 tile of four (H = 640)
   out += [(*_SMALL[:3], 4, 64, 256, g) for g in (128, 32)]  # the shared expert's token groups of two n-tiles
   for h, i, e, k in _PAPER.values():
     for cap in _PAPER_CAPACITIES:

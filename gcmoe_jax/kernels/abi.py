@@ -84,6 +84,7 @@ NAN_WORD = 0x7FFFFFFF  # exponent word of a block that held a NaN/Inf (not a mul
 # (UE8M0 exponents lie in [-127, 127]).
 SHARED_NAN_EXP = 1 << 30
 SHARED_PLANES = 4  # the shared expert's digit planes H1, H0, L1, L0 (`Workspace.sxp`)
+SHX_BYTES, SHX_VALUES = 128, 64  # `Workspace.shx`: one block's exchange, and where its BF16 values start
 FAST_EXP = (-63, 35)  # e - 10 of every block of a row in this range (and no NaN): the row may take the fast path
 # error_counter of a role-2 wait, by what was awaited (low bits: the expert id where there is one).
 WAIT_READY, WAIT_GEMM1, WAIT_XQ, WAIT_SHARED = 0, 0x10000, 0x20000, 0x30000
@@ -157,6 +158,12 @@ class Workspace:
   sxe: int  # i32 [capacity, H / 32]
   sap: int  # int8 [capacity, Is / 32, 4, 32]
   sae: int  # i32 [capacity, Is / 32]
+  # The halves' exchange of a one-token group's shared GEMM1 (`roles_v2.RoleKernelsV2._shared_gemm1`): per K32 block
+  # of Is, `SHX_BYTES`: word 0 the epoch tag of the last half that arrived (an exchange, acq_rel: the half that
+  # reads this call's tag is the second and requantizes the block), bytes `SHX_VALUES`.. the block's 32 BF16
+  # SwiGLU outputs, each half writing its 16. Only the last token group of a call can hold one token, so one
+  # exchange per block suffices; the tags are epoch-tagged, so nothing is reset.
+  shx: int  # u8 [Is / 32, SHX_BYTES]
   # The fused transport (ranks R > 1; 0 bytes otherwise). A row of the R C global tokens g = p C + t (rank p's
   # token t) and a global assignment g k + j index the receive side: ``rows``, ``aplanes``..``asf`` then hold
   # R C k rows instead of C k. Each rank publishes its call's ids, route weights and T by parity (peers may still
@@ -282,6 +289,7 @@ def workspace_layout(experts: int, capacity: int, top_k: int, hidden: int, share
                      ("sxe", 4 * capacity * (hidden // 32) if v2 and shared else 0),
                      ("sap", SHARED_PLANES * capacity * shared_intermediate if v2 and shared else 0),
                      ("sae", 4 * capacity * (shared_intermediate // 32) if v2 and shared else 0),
+                     ("shx", SHX_BYTES * (shared_intermediate // 32) if v2 and shared else 0),
                      ("pub_ids", 2 * 4 * capacity * top_k if fused else 0),
                      ("pub_rw", 2 * 4 * capacity * top_k if fused else 0),
                      ("pub_tokens", 2 * 4 if fused else 0),

@@ -104,7 +104,7 @@ W_BYTES = TILE_M * 64  # weight tile per K128 (E2M1, 64 B per row): the compact 
 # K128 row is 128 B in SMEM, swizzled by 128 B (16 B chunk c of row r at c ^ (r & 7)).
 W_BYTES_EXPANDED = TILE_M * 128
 SC_BYTES = TILE_M * 4
-# [ok, count, claimed item, -] and per-slot token/assignment/route-weight words, then the expert table
+# [ok, count, claimed item, T] and per-slot token/assignment/route-weight words, then the expert table
 CTRL_BYTES = 1024
 # The fused transport's role 1 (`RoleKernelsV2.role1_fused`, paper §4.5): CTAs per dispatch SM (more rows in flight;
 # the paper's dispatch grid takes up to 4), 16-byte loads per lane issued before their stores when a warp pulls a
@@ -114,6 +114,9 @@ ROLE1_FUSED_CTAS_PER_SM = 2
 PULL_DEPTH = 12
 DIRECT_SCAN_TOKENS = 2
 CTL_CLAIM = 8  # the item this CTA claimed from the queue (`RoleKernelsV2._claim`)
+# This call's T, which the shared items read from SMEM: derived again per item instead of kept in registers across
+# the item loop (with the one-token halves, ptxas spilled 60 B at the two-CTA register cap otherwise; 28-32 B so).
+CTL_TOKENS = 12
 CTL_SLOT_SRC, CTL_SLOT_ASG, CTL_SLOT_RW = 16, 16 + 32 * NT_MAX, 16 + 64 * NT_MAX
 MAX_STAGES = 8
 # The pipeline's mbarriers in the control area: full[MAX_STAGES] (the producer's arrivals and the copies' bytes),
@@ -161,9 +164,10 @@ PAIR_SLOT_COLUMNS = (0, 0, 1, 1, 0, 0, 1, 1)
 assert all(PLANE_COLUMNS[n] == (2 if n >= 4 else n & 1) and PAIR_SLOT_COLUMNS[n] == (n >> 1) & 1 for n in range(8))
 # The shared expert (`RoleKernelsV2._shared_core`): items of `SH_ROWS` weight rows x a token group, K streamed in
 # steps of `SH_STEP` K32 blocks (two K128 tiles; warp w: the m16 tile w & 3 of the rows and the K128 tile w >> 2 of the
-# step), double-buffered by cp.async. The FP8 x FP8 block dots are exact int8 MMAs over signed 6-bit digits
-# (`SH_PLANES`; `_sh_compute`). A group is one n-tile of the MMA (`SH_TOKENS`) or, where the SMEM holds it, two
-# (`SH_TOKENS_WIDE`: the one-CTA sm_90a variants), so that a warp decodes each weight block once for twice the tokens.
+# step; a one-token half of 32 rows takes four tiles per step), double-buffered by cp.async. The FP8 x FP8 block dots
+# are exact int8 MMAs over signed 6-bit digits (`SH_PLANES`; `_sh_compute`). A group is one n-tile of the MMA
+# (`SH_TOKENS`) or, where the SMEM holds it, two (`SH_TOKENS_WIDE`: the one-CTA sm_90a variants), so that a warp
+# decodes each weight block once for twice the tokens.
 SH_TOKENS = 8
 SH_TOKENS_WIDE = 16
 SH_ROWS = 64
@@ -414,6 +418,12 @@ def _sign_digits(v, n: int) -> tuple[Int32, ...]:
   return tuple(out)
 
 
+def _sh_tiles_per_step(rows: int) -> int:
+  """K128 tiles per step of a shared-expert item of ``rows`` weight rows: the step's weights fill `SH_W`'s buffer,
+  and its 8 warps take an m16 tile and a K128 tile each (2 for 64 rows, 4 for the 32 of a one-token half)."""
+  return 2 * SH_ROWS // rows
+
+
 def _sh_ntiles(tokens: int) -> int:
   """The n-tiles of 8 columns a shared-expert token group of ``tokens`` (a Python int) takes."""
   return -(-tokens // SH_TOKENS)
@@ -587,6 +597,11 @@ def _expanded_fragment(sb, warp, lane, s):
   return (m[0] << 2, m[1] << 2, m[2] << 2, m[3] << 2)
 
 
+def _atom_exch_acq_rel(addr, v) -> Int32:
+  """The old value of an acq_rel gpu-scope atomic exchange (the one-token halves' meeting, `_shared_gemm1`)."""
+  return v1._ptx1("atom.acq_rel.gpu.global.exch.b32 {$w0}, [{$r0}], {$r1};", addr, Int32(v))
+
+
 def _red_release_add(addr, v) -> None:
   cute.arch.inline_ptx("red.release.gpu.global.add.u32 [{$r0}], {$r1};", read_only_args=[addr, Int32(v)])
 
@@ -650,8 +665,6 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # activation columns (64 W13 rows, one K32 block of its output), its GEMM2 in blocks of 64 output columns.
     self.n_cb = v.shared_intermediate // v1.K32 if v.shared else 0
     self.n_hb = v.hidden // SH_ROWS if v.shared else 0
-    # GEMM1 items per block of 32 activation columns: 1; the `shhalf` timing build takes 2 of 32 W13 rows each.
-    self.sh_split = 2 if self.ablation == "shhalf" else 1
     # SMEM: control words, the expert table (count[e], then the hit list), then the pipeline, in which the
     # shared-expert items (`SH_BYTES`) also run.
     self.table = CTRL_BYTES
@@ -1059,6 +1072,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         ok = self._await_queue(queue, wsb, cur, bid)
       _sts(ctl, ok)
       _sts(ctl + 4, cutlass.select_(ok != 0, v1._ld(queue + v1.WORD_BYTES) - 1, Int32(0)))
+      if cutlass.const_expr(v.shared):
+        _sts(ctl + CTL_TOKENS, n_tok)
     cute.arch.sync_threads()
     # The table: count[e] at 4 e, the experts hit in queue (publication) order from 4 E.
     for h in range(tid, _lds(ctl + 4), THREADS):
@@ -1081,9 +1096,12 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     n_s1 = Int32(0)
     n_s2 = Int32(0)
     n_tg = (n_tok + self.sh.tokens - 1) // self.sh.tokens
+    # A last token group of one token takes two items per column block (halves of 32 weight rows, `_shared_gemm1`,
+    # `_shared_gemm2`), the others one: per column block the groups' items, then the one-token group's second half.
+    per_cb = n_tg + cutlass.select_(n_tok - (n_tg - 1) * self.sh.tokens == 1, Int32(1), Int32(0))
     if cutlass.const_expr(v.shared):
-      n_s1 = n_tg * self.n_cb * self.sh_split
-      n_s2 = n_tg * self.n_hb
+      n_s1 = per_cb * self.n_cb
+      n_s2 = per_cb * self.n_hb
     n_items = cutlass.select_(ok != 0, n1 + n2 + n_s1 + n_s2, Int32(0))
     if cutlass.const_expr(v.shared):  # where each kind's items start in the queue
       at, sizes = {}, {"routed GEMM1": n1, "routed GEMM2": n2, "shared GEMM1": n_s1, "shared GEMM2": n_s2}
@@ -1155,19 +1173,22 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         else:
           if cutlass.const_expr(v.shared):
             token_counters = counters + Int64(v.experts + 1) * v1.WORD_BYTES
+            n_tok = _lds(ctl + CTL_TOKENS)  # (`CTL_TOKENS`)
+            n_tg = (n_tok + self.sh.tokens - 1) // self.sh.tokens
+            per_cb = n_tg + cutlass.select_(n_tok - (n_tg - 1) * self.sh.tokens == 1, Int32(1), Int32(0))
             # Column-block-major: the groups' items on the same weight rows run together (L2 reuse).
             if item < s1_at + n_s1:
               s = item - s1_at
-              cb = s // n_tg
-              tg = s - cb * n_tg
-              self._shared_gemm1(tg, cb, n_tok, s13.toint(), s13_scale.toint(), wsb, c_bits, pipe,
-                                 token_counters + Int64(tg) * v1.WORD_BYTES)
+              cb = s // per_cb
+              tg = cutlass.min(s - cb * per_cb, n_tg - 1)
+              self._shared_gemm1(tg, cb, s - cb * per_cb - tg, n_tok, s13.toint(), s13_scale.toint(), wsb, cur,
+                                 c_bits, pipe, token_counters + Int64(tg) * v1.WORD_BYTES)
             else:
               s = item - s2_at
-              hb = s // n_tg
-              tg = s - hb * n_tg
-              failed = self._shared_gemm2(tg, hb, n_tok, s2.toint(), s2_scale.toint(), wsb, cur, bid, pipe,
-                                          token_counters + Int64(tg) * v1.WORD_BYTES)
+              hb = s // per_cb
+              tg = cutlass.min(s - hb * per_cb, n_tg - 1)
+              failed = self._shared_gemm2(tg, hb, s - hb * per_cb - tg, n_tok, s2.toint(), s2_scale.toint(), wsb,
+                                          cur, bid, pipe, token_counters + Int64(tg) * v1.WORD_BYTES)
       if cutlass.const_expr(self.timeline):
         self._tl_item(wsb, cur, bid, ctl, item, 2)
       # A CTA that failed a wait goes on claiming (and skipping) items, as with the round-robin, so the claims of
@@ -1242,47 +1263,81 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       v1._st(exp, cutlass.select_(bad != 0, Int32(abi.SHARED_NAN_EXP), e))
 
   @cute.jit
-  def _shared_gemm1(self, tg: Int32, cb: Int32, n_tok: Int32, s13: Int64, s13s: Int64, wsb: Int64, c_bits: Int32,
-                    sb: Int32, counter: Int64):
+  def _shared_gemm1(self, tg: Int32, cb: Int32, half: Int32, n_tok: Int32, s13: Int64, s13s: Int64, wsb: Int64,
+                    cur: Int32, c_bits: Int32, sb: Int32, counter: Int64):
     """Shared expert GEMM1, token group tg, activation columns 32 cb..: W13 rows 64 cb.. (gate and up of those
     columns, `formats` interleave) against the group's x (`_shared_core`), SwiGLU, then the K32 block cb of each
-    token's requantized output to ``sap``/``sae`` (a warp per token), and the group's counter += 1 (release)."""
+    token's requantized output to ``sap``/``sae`` (a warp per token), and the group's counter += 1 (release).
+
+    A group of one token (every group at B = 1, the one-token tails) takes the block in two items, ``half`` 0 and
+    1, of 32 W13 rows (16 columns) each: twice the CTAs on the critical path of a B = 1 layer, whose shared GEMM1
+    items are the longest (docs/kernels_v2.md "One-token halves"). The MXFP8 block needs the amax of all 32
+    columns, so each half stores its 16 BF16 outputs into the block's exchange (`abi.Workspace.shx`) and swaps
+    the call's tag into it (acq_rel); the half that finds the tag there already requantizes the block from both
+    and counts it done: the same values and the same arithmetic, so the same bits."""
     v, ws = self.v, self.ws
     tid, _, _ = cute.arch.thread_idx()
     sh = self.sh
     t0 = tg * sh.tokens
     nt = cutlass.min(n_tok - t0, Int32(sh.tokens))
-    rows = SH_ROWS // self.sh_split
-    self._shared_dispatch(nt, t0, s13, s13s, 2 * v.shared_intermediate, v.hidden, cb * rows,
-                          wsb + ws.sxp, wsb + ws.sxe, sb, rows)
     col = tid % 32
-    src = col
-    if cutlass.const_expr(self.sh_split != 1):
-      # Timing only: item cb is half cb % 2 of block cb // 2 (32 W13 rows), which requantizes its 16 columns as
-      # if they were the block's 32 (wrong results; the split's cost without the halves' exchange).
-      cb = cb // self.sh_split
-      src = col % (rows // 2)  # the half's 16 columns: gate and up in its 32 rows
-    gate = (src // v1.GATE_UP_GROUP) * (2 * v1.GATE_UP_GROUP) + src % v1.GATE_UP_GROUP
-    for j in cutlass.range_constexpr(sh.tokens // WARPS):
-      tok = tid // 32 + j * WARPS
-      if tok < nt:  # warp-uniform: a warp per token, a lane per column
-        hg = _lds(sb + sh.acc + (tok * SH_ROWS + gate) * 4)
-        hu = _lds(sb + sh.acc + (tok * SH_ROWS + gate + v1.GATE_UP_GROUP) * 4)
+    if nt == 1:
+      rows = SH_ROWS // 2
+      self._shared_core(1, nt, t0, s13, s13s, 2 * v.shared_intermediate, v.hidden, cb * SH_ROWS + half * rows,
+                        wsb + ws.sxp, wsb + ws.sxe, sb, rows)
+      xch = wsb + ws.shx + Int64(cb) * abi.SHX_BYTES
+      src = col % (rows // 2)  # lane l < 16 holds column 16 half + l (lanes 16-31 the same ones)
+      gate = (src // v1.GATE_UP_GROUP) * (2 * v1.GATE_UP_GROUP) + src % v1.GATE_UP_GROUP
+      a = Int32(0)
+      if tid < 32:
+        hg = _lds(sb + sh.acc + gate * 4)
+        hu = _lds(sb + sh.acc + (gate + v1.GATE_UP_GROUP) * 4)
         a = self._swiglu_bits(hg, hu, Int32(v1.F32_ONE), wsb, c_bits)
-        n, e, bad = self._mx_lane(a << v1.BF16_SHIFT)
-        t = Int64(t0 + tok)
-        blk = t * self.n_cb + cb
-        self._store_digits(n, e, bad, col, wsb + ws.sap + blk * SH_BLOCK, wsb + ws.sae + blk * 4)
-    cute.arch.sync_threads()
-    if tid == 0:
-      cute.arch.fence_acq_rel_gpu()
-      _red_release_add(counter, 1)
+        if col < rows // 2:
+          v1._st_bf16(xch + abi.SHX_VALUES + (half * (rows // 2) + col) * v1.BF16_BYTES, a)
+      cute.arch.sync_threads()
+      old = Int32(0)
+      if tid == 0:
+        cute.arch.fence_acq_rel_gpu()  # the warp's stores, ordered by the barrier, before the tag
+        old = _atom_exch_acq_rel(xch, cur)
+      if _bar_or((tid == 0) & (old == cur)) != 0:  # the second half: the other's values are in
+        if tid < 32:
+          word = _ld_cg(xch + abi.SHX_VALUES + (col // 2) * 4)
+          other = (word >> (v1.BF16_SHIFT * (col % 2))) & v1.BF16_MASK
+          val = cutlass.select_(col // (rows // 2) == half, a, other)
+          n, e, bad = self._mx_lane(val << v1.BF16_SHIFT)
+          blk = Int64(t0) * self.n_cb + cb
+          self._store_digits(n, e, bad, col, wsb + ws.sap + blk * SH_BLOCK, wsb + ws.sae + blk * 4)
+        cute.arch.sync_threads()
+        if tid == 0:
+          cute.arch.fence_acq_rel_gpu()
+          _red_release_add(counter, 1)
+    else:
+      self._shared_dispatch(nt, t0, s13, s13s, 2 * v.shared_intermediate, v.hidden, cb * SH_ROWS,
+                            wsb + ws.sxp, wsb + ws.sxe, sb)
+      gate = (col // v1.GATE_UP_GROUP) * (2 * v1.GATE_UP_GROUP) + col % v1.GATE_UP_GROUP
+      for j in cutlass.range_constexpr(sh.tokens // WARPS):
+        tok = tid // 32 + j * WARPS
+        if tok < nt:  # warp-uniform: a warp per token, a lane per column
+          hg = _lds(sb + sh.acc + (tok * SH_ROWS + gate) * 4)
+          hu = _lds(sb + sh.acc + (tok * SH_ROWS + gate + v1.GATE_UP_GROUP) * 4)
+          a = self._swiglu_bits(hg, hu, Int32(v1.F32_ONE), wsb, c_bits)
+          n, e, bad = self._mx_lane(a << v1.BF16_SHIFT)
+          t = Int64(t0 + tok)
+          blk = t * self.n_cb + cb
+          self._store_digits(n, e, bad, col, wsb + ws.sap + blk * SH_BLOCK, wsb + ws.sae + blk * 4)
+      cute.arch.sync_threads()
+      if tid == 0:
+        cute.arch.fence_acq_rel_gpu()
+        _red_release_add(counter, 1)
 
   @cute.jit
-  def _shared_gemm2(self, tg: Int32, hb: Int32, n_tok: Int32, s2: Int64, s2s: Int64, wsb: Int64, cur: Int32,
-                    bid: Int32, sb: Int32, counter: Int64) -> Int32:
+  def _shared_gemm2(self, tg: Int32, hb: Int32, half: Int32, n_tok: Int32, s2: Int64, s2s: Int64, wsb: Int64,
+                    cur: Int32, bid: Int32, sb: Int32, counter: Int64) -> Int32:
     """Shared expert GEMM2, token group tg, output columns 64 hb..: after the group's GEMM1 items (bounded wait),
-    W2 rows 64 hb.. against its requantized activations, bf16 into ``shared_out``. Returns 1 when the wait failed."""
+    W2 rows 64 hb.. against its requantized activations, bf16 into ``shared_out``. Returns 1 when the wait failed.
+    A group of one token takes the 64 columns in two items of 32 (``half``), like its GEMM1 (`_shared_gemm1`):
+    its output columns need no exchange."""
     v, ws = self.v, self.ws
     tid, _, _ = cute.arch.thread_idx()
     sh = self.sh
@@ -1290,10 +1345,19 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     nt = cutlass.min(n_tok - t0, Int32(sh.tokens))
     ok = Int32(1)
     if tid == 0:
-      ok = self._wait_geq(counter, Int32(self.n_cb * self.sh_split), wsb, cur, bid, abi.WAIT_SHARED + t0)
+      ok = self._wait_geq(counter, Int32(self.n_cb), wsb, cur, bid, abi.WAIT_SHARED + t0)
     failed = Int32(0)
     if _bar_or(ok == 0) != 0:
       failed = Int32(1)
+    elif nt == 1:
+      rows = SH_ROWS // 2
+      col0 = hb * SH_ROWS + half * rows
+      self._shared_core(1, nt, t0, s2, s2s, v.hidden, v.shared_intermediate, col0, wsb + ws.sap, wsb + ws.sae, sb,
+                        rows)
+      if tid < rows:
+        out = wsb + ws.shared_out + (Int64(t0) * v.hidden + col0 + tid) * v1.BF16_BYTES
+        v1._st_bf16(out, v1._bf16_rne(_lds(sb + sh.acc + tid * 4)))
+      cute.arch.sync_threads()  # the accumulators are zeroed by the next item
     else:
       self._shared_dispatch(nt, t0, s2, s2s, v.hidden, v.shared_intermediate, hb * SH_ROWS,
                             wsb + ws.sap, wsb + ws.sae, sb)
@@ -1309,38 +1373,35 @@ class RoleKernelsV2(v1.RoleKernelsV1):
 
   @cute.jit
   def _shared_dispatch(self, nt: Int32, t0: Int32, pw: Int64, psc: Int64, n: cutlass.Constexpr,
-                       k: cutlass.Constexpr, row0: Int32, ap: Int64, ae: Int64, sb: Int32,
-                       rows: cutlass.Constexpr = SH_ROWS):
-    """`_shared_core` for one token (its copies and in-order adds of one column), for up to one n-tile of tokens
-    (`SH_TOKENS`), or, in the variants of wide groups, for up to two."""
-    if nt == 1:
-      self._shared_core(1, nt, t0, pw, psc, n, k, row0, ap, ae, sb, rows)
-    else:
-      if cutlass.const_expr(self.sh.tokens > SH_TOKENS):
-        if nt > SH_TOKENS:
-          self._shared_core(self.sh.tokens, nt, t0, pw, psc, n, k, row0, ap, ae, sb, rows)
-        else:
-          self._shared_core(SH_TOKENS, nt, t0, pw, psc, n, k, row0, ap, ae, sb, rows)
+                       k: cutlass.Constexpr, row0: Int32, ap: Int64, ae: Int64, sb: Int32):
+    """`_shared_core` of 64 rows for a group of more than one token: one n-tile of tokens (`SH_TOKENS`), or, in the
+    variants of wide groups, up to two. (A group of one token takes its items in halves of 32 rows.)"""
+    if cutlass.const_expr(self.sh.tokens > SH_TOKENS):
+      if nt > SH_TOKENS:
+        self._shared_core(self.sh.tokens, nt, t0, pw, psc, n, k, row0, ap, ae, sb)
       else:
-        self._shared_core(SH_TOKENS, nt, t0, pw, psc, n, k, row0, ap, ae, sb, rows)
+        self._shared_core(SH_TOKENS, nt, t0, pw, psc, n, k, row0, ap, ae, sb)
+    else:
+      self._shared_core(SH_TOKENS, nt, t0, pw, psc, n, k, row0, ap, ae, sb)
 
   @cute.jit
   def _shared_core(self, tbc: cutlass.Constexpr, nt: Int32, t0: Int32, pw: Int64, psc: Int64, n: cutlass.Constexpr,
                    k: cutlass.Constexpr, row0: Int32, ap: Int64, ae: Int64, sb: Int32,
                    rows: cutlass.Constexpr = SH_ROWS):
     """``acc[t][r] = sum over K32 blocks b in order of p(t, r, b)`` (the FP8 x FP8 block dots of the `reference`
-    module doc) for the group's tokens t < tbc (those past ``nt`` read zeros) and weight rows row0 + r, r < 64,
+    module doc) for the group's tokens t < tbc (those past ``nt`` read zeros) and weight rows row0 + r, r < rows,
     into SMEM (``self.sh.acc``).
 
     MXFP8 weights ``pw`` [K/128, n, 128] (E4M3) with scales ``psc`` [n, ceil(K / (4 group))]; activations as the
-    digit planes at ``ap`` and exponent words at ``ae`` (`abi.Workspace.sxp`). Each step of `SH_STEP` K32 blocks:
-    the next step's weights and activations are copied (cp.async) while this one's block dots run on the tensor
-    cores (`_sh_compute`, one n-tile per 8 tokens of ``tbc``), the blocks' p to SMEM; then a thread per (token,
-    row) adds the step's p in increasing K (the order the semantics fix, which the split of K across warps would
-    otherwise break)."""
+    digit planes at ``ap`` and exponent words at ``ae`` (`abi.Workspace.sxp`). Each step of `SH_STEP` K32 blocks
+    (twice that for the 32 rows of a one-token half, `_sh_tiles_per_step`; one token's SMEM slots run on over those
+    of the tokens it lacks): the next step's weights and activations are copied (cp.async) while this one's block
+    dots run on the tensor cores (`_sh_compute`, one n-tile per 8 tokens of ``tbc``), the blocks' p to SMEM; then a
+    thread per (token, row) adds the step's p in increasing K (the order the semantics fix, which the split of K
+    across warps would otherwise break)."""
     tid, _, _ = cute.arch.thread_idx()
     k_tiles = k // v1.K128
-    n_steps = -(-k_tiles // 2)
+    n_steps = -(-k_tiles // _sh_tiles_per_step(rows))
     for i in range(tid, self.sh.tokens * SH_ROWS, THREADS):
       _sts(sb + self.sh.acc + i * 4, Int32(0))
     _sts(sb + SH_TAB + tid * 4, _digit_entry(tid))  # 256 threads, 256 codes: read after the first step's barrier
@@ -1374,35 +1435,39 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     nblk = k // v1.K32
     scale_words = -(-k // (v1.SCALES_PER_WORD * group))
     chunks = v1.K128 // 16  # per weight row and K128 tile
-    for i in cutlass.range_constexpr(2 * rows * chunks // THREADS):
+    tps = _sh_tiles_per_step(rows)
+    bps = 4 * tps  # K32 blocks per step
+    for i in cutlass.range_constexpr(tps * rows * chunks // THREADS):
       q = tid + THREADS * i
       ts = q // (rows * chunks)
       r = (q // chunks) % rows
       c = q % chunks
-      kt = 2 * s + ts
+      kt = tps * s + ts
       if kt < k_tiles:
         src = pw + (Int64(kt) * n + row0 + r) * v1.FP8_TILE_BYTES + c * 16
-        dst = sb + SH_W + ((buf * 2 + ts) * SH_ROWS + r) * v1.K128 + 16 * (c ^ ((r % 4) << 1))
+        dst = sb + SH_W + ((buf * tps + ts) * rows + r) * v1.K128 + 16 * (c ^ ((r % 4) << 1))
         _cp16(dst, src, Int32(16))
-    if tid < 2 * rows:
+    if tid < tps * rows:
       ts = tid // rows
       r = tid % rows
-      kt = 2 * s + ts
+      kt = tps * s + ts
       if kt < k_tiles:
         word = kt if group == v1.K32 else kt // 4
-        _cp4(sb + SH_S + ((buf * 2 + ts) * SH_ROWS + r) * 4, psc + (Int64(row0 + r) * scale_words + word) * 4)
-    per_tok = SH_STEP * SH_BLOCK // 16  # 16 B chunks per token and step
+        _cp4(sb + SH_S + ((buf * tps + ts) * rows + r) * 4, psc + (Int64(row0 + r) * scale_words + word) * 4)
+    per_tok = bps * SH_BLOCK // 16  # 16 B chunks per token and step
     for q in range(tid, tbc * per_tok, THREADS):
       tok = q // per_tok
       c = q - tok * per_tok
-      blk = s * SH_STEP + c // (SH_BLOCK // 16)
+      blk = s * bps + c // (SH_BLOCK // 16)
       ok = (tok < nt) & (blk < nblk)
-      src = ap + cutlass.select_(ok, (Int64(t0 + tok) * nblk + s * SH_STEP) * SH_BLOCK + c * 16, Int64(0))
+      src = ap + cutlass.select_(ok, (Int64(t0 + tok) * nblk + s * bps) * SH_BLOCK + c * 16, Int64(0))
       _cp16(sb + SH_X + (buf * sh.tokens + tok) * SH_X_STRIDE + 16 * c, src, cutlass.select_(ok, Int32(16), Int32(0)))
-    for q in range(tid, _sh_ntiles(tbc) * SH_TOKENS * (SH_STEP // 4), THREADS):
-      tok = q // (SH_STEP // 4)
-      c = q - tok * (SH_STEP // 4)
-      blk = s * SH_STEP + 4 * c
+    # The exponents of the n-tiles' tokens (zeros past nt); one token's run on over the slots of the next ones.
+    ex_tok = 1 if tbc == 1 else _sh_ntiles(tbc) * SH_TOKENS
+    for q in range(tid, ex_tok * (bps // 4), THREADS):
+      tok = q // (bps // 4)
+      c = q - tok * (bps // 4)
+      blk = s * bps + 4 * c
       ok = (tok < nt) & (blk < nblk)
       src = ae + cutlass.select_(ok, (Int64(t0 + tok) * nblk + blk) * 4, Int64(0))
       _cp16(sb + sh.xe + ((buf * sh.tokens + tok) * SH_STEP + 4 * c) * 4, src, cutlass.select_(ok, Int32(16),
@@ -1424,18 +1489,15 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     warp's block lies within `SH_FAST_EXP`). The K order of the MMA is permuted the same way for A and B (thread t4
     holds the bytes 8 t4 .. 8 t4 + 7 of a block, in one 8-byte load), which leaves every integer sum as it is."""
     warp, lane, g, t4 = _lanes()
+    tps = _sh_tiles_per_step(rows)
     mt = warp % (rows // 16)
-    ts = warp // 4
-    kt = 2 * s + ts
+    ts = warp // (rows // 16)
+    kt = tps * s + ts
     if kt < k // v1.K128:
-      tile = sb + SH_W + ((buf * 2 + ts) * SH_ROWS + 16 * mt + g) * v1.K128 + 8 * t4
-      srow = sb + SH_S + ((buf * 2 + ts) * SH_ROWS + 16 * mt + g) * 4
+      tile = sb + SH_W + ((buf * tps + ts) * rows + 16 * mt + g) * v1.K128 + 8 * t4
+      srow = sb + SH_S + ((buf * tps + ts) * rows + 16 * mt + g) * 4
       sw = (_lds(srow), _lds(srow + 8 * 4))
-      # 64 rows: the warp's m16 tile, all four blocks of its K128 tile; 32 rows: two of them (`shhalf`).
-      for jj in cutlass.range_constexpr(4 * rows // SH_ROWS):
-        j = jj
-        if cutlass.const_expr(rows != SH_ROWS):
-          j = (warp // 2) % 2 * 2 + jj
+      for j in cutlass.range_constexpr(4):  # the four K32 blocks of the warp's K128 tile
         lb = 4 * ts + j
         a = _sh_block_a(tile, j, g, sb + SH_TAB)
         if cutlass.const_expr(self.v.shared_group == v1.K32):
@@ -1512,7 +1574,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     z4 = (Int32(0),) * 4
     x = _mma_s8(af1, bf, _mma_s8(al1, bl, _mma_s8(ah1, bh, z4)))
     y = _mma_s8(af0, bf, _mma_s8(al0, bl, _mma_s8(ah0, bh, z4)))
-    ex = _lds(sb + sh.xe + ((buf * sh.tokens) * SH_STEP + lb) * 4)
+    ex = _lds(sb + sh.xe + ((buf * sh.tokens) * SH_STEP + lb) * 4)  # the one token's exponents run on (`_sh_issue`)
     p = [Int32(0)] * 2
     es = [Int32(0)] * 2
     for r in cutlass.range_constexpr(2):  # rows g, g + 8
@@ -1521,7 +1583,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       ll = _shfl_xor(sum_, 3)
       p[r] = _sh_p(v1._i2f(hh), v1._i2f(sum_ - hh - ll), v1._i2f(ll))
       es[r] = ex + ew[r]
-    out = sb + sh.p + ((lb * sh.tokens) * SH_P_ROWS + 16 * mt + g) * 4
+    out = sb + sh.p + (lb * SH_P_ROWS + 16 * mt + g) * 4  # one token: p row lb (`_sh_accumulate`)
     _sh_store(p, es, (ex, ex), (out, out + 8 * 4), t4 == 2)
 
   @cute.jit
@@ -1531,17 +1593,19 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     tid, _, _ = cute.arch.thread_idx()
     sh = self.sh
     row = tid % rows
+    bps = 4 * _sh_tiles_per_step(rows)
+    ptok = 1 if tbc == 1 else sh.tokens  # p rows per block (`_sh_one_row`, `_sh_tiles`)
     for j in cutlass.range_constexpr(-(-tbc * rows // THREADS)):
       tok = tid // rows + j * (THREADS // rows)
       if tok < tbc:
         a = sb + sh.acc + (tok * SH_ROWS + row) * 4
         acc = _lds(a)
-        for lb in cutlass.range_constexpr(SH_STEP):
-          p = _lds(sb + sh.p + ((lb * sh.tokens + tok) * SH_P_ROWS + row) * 4)
-          if cutlass.const_expr(lb >= 4 and (k // v1.K32) % SH_STEP != 0):
-            # The last step of a K of an odd number of K128 tiles has 4 blocks (acc kept as it is: adding +0 would
+        for lb in cutlass.range_constexpr(bps):
+          p = _lds(sb + sh.p + ((lb * ptok + tok) * SH_P_ROWS + row) * 4)
+          if cutlass.const_expr(lb >= 4 and (k // v1.K32) % bps != 0):
+            # The last step of K may hold fewer K128 tiles than a step (acc kept as it is past K: adding +0 would
             # turn an ftz-flushed -0 into +0).
-            acc = cutlass.select_(s * SH_STEP + lb < k // v1.K32, v1._fadd(acc, p), acc)
+            acc = cutlass.select_(s * bps + lb < k // v1.K32, v1._fadd(acc, p), acc)
           else:
             acc = v1._fadd(acc, p)
         _sts(a, acc)
