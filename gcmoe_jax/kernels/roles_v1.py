@@ -380,6 +380,12 @@ def _ld_nc_bf16(addr) -> Int32:
   return _ptx1("ld.global.nc.u16 {$w0}, [{$r0}];", addr) << BF16_SHIFT
 
 
+def _gate_row(i):
+  """The W13 row of activation column i's gate (`formats` interleave: gate rows 8q..8q+7, then up rows, of 16q..);
+  its up row is `GATE_UP_GROUP` further."""
+  return (i // GATE_UP_GROUP) * (2 * GATE_UP_GROUP) + i % GATE_UP_GROUP
+
+
 def _gptr(addr, dtype=Int32):
   return cutlass.inttoptr(addr, cute.AddressSpace.gmem, dtype)
 
@@ -725,7 +731,7 @@ class RoleKernelsV1:
     """Phase B for activation column i: BF16 bits of bf16(rw * bf16(silu(min(g, c)) * clip(u, -c, c)))."""
     v = self.v
     inter = v.shared_intermediate if cutlass.const_expr(shared) else v.intermediate
-    gate_row = (i // GATE_UP_GROUP) * (2 * GATE_UP_GROUP) + i % GATE_UP_GROUP
+    gate_row = _gate_row(i)
     up_row = gate_row + GATE_UP_GROUP
     hg, hu = self._gemm(shared, True, v.hidden, 2 * inter, p13, sc13, gate_row, up_row, sAct, sExp, sNan)
     return self._swiglu_bits(hg, hu, rw_bits, wsb, c_bits)

@@ -1095,10 +1095,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     n2 = n_hit * (0 if cutlass.const_expr(self.ablation == "nogemm2") else self.j2)
     n_s1 = Int32(0)
     n_s2 = Int32(0)
-    n_tg = (n_tok + self.sh.tokens - 1) // self.sh.tokens
-    # A last token group of one token takes two items per column block (halves of 32 weight rows, `_shared_gemm1`,
-    # `_shared_gemm2`), the others one: per column block the groups' items, then the one-token group's second half.
-    per_cb = n_tg + cutlass.select_(n_tok - (n_tg - 1) * self.sh.tokens == 1, Int32(1), Int32(0))
+    n_tg, per_cb = self._shared_groups(n_tok)
     if cutlass.const_expr(v.shared):
       n_s1 = per_cb * self.n_cb
       n_s2 = per_cb * self.n_hb
@@ -1159,23 +1156,16 @@ class RoleKernelsV2(v1.RoleKernelsV1):
               self._item(True, e, j, count, route_weights.toint(), w2.toint(), w2_scale.toint(), wsb, c_bits,
                          cur, ctl, pipe, tmap_w2)
               if cutlass.const_expr(self.relay):  # the copiers follow each expert's GEMM2 items done
-                cute.arch.sync_threads()
-                if tid == 0:
-                  cute.arch.fence_acq_rel_gpu()
-                  _red_release_add(counters + Int64(self.relay_base + e) * v1.WORD_BYTES, 1)
+                self._count_done(counters, self.relay_base + e)
           else:
             self._item(False, e, j, count, route_weights.toint(), w13.toint(), w13_scale.toint(), wsb, c_bits,
                        cur, ctl, pipe, tmap_w13)
-            cute.arch.sync_threads()
-            if tid == 0:
-              cute.arch.fence_acq_rel_gpu()
-              _red_release_add(counters + Int64(e) * v1.WORD_BYTES, 1)
+            self._count_done(counters, e)
         else:
           if cutlass.const_expr(v.shared):
             token_counters = counters + Int64(v.experts + 1) * v1.WORD_BYTES
             n_tok = _lds(ctl + CTL_TOKENS)  # (`CTL_TOKENS`)
-            n_tg = (n_tok + self.sh.tokens - 1) // self.sh.tokens
-            per_cb = n_tg + cutlass.select_(n_tok - (n_tg - 1) * self.sh.tokens == 1, Int32(1), Int32(0))
+            n_tg, per_cb = self._shared_groups(n_tok)
             # Column-block-major: the groups' items on the same weight rows run together (L2 reuse).
             if item < s1_at + n_s1:
               s = item - s1_at
@@ -1286,8 +1276,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       self._shared_core(1, nt, t0, s13, s13s, 2 * v.shared_intermediate, v.hidden, cb * SH_ROWS + half * rows,
                         wsb + ws.sxp, wsb + ws.sxe, sb, rows)
       xch = wsb + ws.shx + Int64(cb) * abi.SHX_BYTES
-      src = col % (rows // 2)  # lane l < 16 holds column 16 half + l (lanes 16-31 the same ones)
-      gate = (src // v1.GATE_UP_GROUP) * (2 * v1.GATE_UP_GROUP) + src % v1.GATE_UP_GROUP
+      gate = v1._gate_row(col % (rows // 2))  # lane l < 16 holds column 16 half + l (lanes 16-31 the same ones)
       a = Int32(0)
       if tid < 32:
         hg = _lds(sb + sh.acc + gate * 4)
@@ -1304,32 +1293,44 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         if tid < 32:
           word = _ld_cg(xch + abi.SHX_VALUES + (col // 2) * 4)
           other = (word >> (v1.BF16_SHIFT * (col % 2))) & v1.BF16_MASK
-          val = cutlass.select_(col // (rows // 2) == half, a, other)
-          n, e, bad = self._mx_lane(val << v1.BF16_SHIFT)
-          blk = Int64(t0) * self.n_cb + cb
-          self._store_digits(n, e, bad, col, wsb + ws.sap + blk * SH_BLOCK, wsb + ws.sae + blk * 4)
-        cute.arch.sync_threads()
-        if tid == 0:
-          cute.arch.fence_acq_rel_gpu()
-          _red_release_add(counter, 1)
+          self._requantize(cutlass.select_(col // (rows // 2) == half, a, other), t0, 0, cb, col, wsb)
+        self._count_done(counter)
     else:
       self._shared_dispatch(nt, t0, s13, s13s, 2 * v.shared_intermediate, v.hidden, cb * SH_ROWS,
                             wsb + ws.sxp, wsb + ws.sxe, sb)
-      gate = (col // v1.GATE_UP_GROUP) * (2 * v1.GATE_UP_GROUP) + col % v1.GATE_UP_GROUP
+      gate = v1._gate_row(col)
       for j in cutlass.range_constexpr(sh.tokens // WARPS):
         tok = tid // 32 + j * WARPS
         if tok < nt:  # warp-uniform: a warp per token, a lane per column
           hg = _lds(sb + sh.acc + (tok * SH_ROWS + gate) * 4)
           hu = _lds(sb + sh.acc + (tok * SH_ROWS + gate + v1.GATE_UP_GROUP) * 4)
-          a = self._swiglu_bits(hg, hu, Int32(v1.F32_ONE), wsb, c_bits)
-          n, e, bad = self._mx_lane(a << v1.BF16_SHIFT)
-          t = Int64(t0 + tok)
-          blk = t * self.n_cb + cb
-          self._store_digits(n, e, bad, col, wsb + ws.sap + blk * SH_BLOCK, wsb + ws.sae + blk * 4)
-      cute.arch.sync_threads()
-      if tid == 0:
-        cute.arch.fence_acq_rel_gpu()
-        _red_release_add(counter, 1)
+          self._requantize(self._swiglu_bits(hg, hu, Int32(v1.F32_ONE), wsb, c_bits), t0, tok, cb, col, wsb)
+      self._count_done(counter)
+
+  def _shared_groups(self, n_tok: Int32):
+    """(token groups, shared items per column block) of a call of ``n_tok`` tokens: a last group of one token takes
+    two items per column block (halves of 32 weight rows, `_shared_gemm1`, `_shared_gemm2`), the others one; per
+    column block the groups' items come first, then the one-token group's second half."""
+    n_tg = (n_tok + self.sh.tokens - 1) // self.sh.tokens
+    return n_tg, n_tg + cutlass.select_(n_tok - (n_tg - 1) * self.sh.tokens == 1, Int32(1), Int32(0))
+
+  @cute.jit
+  def _requantize(self, bits: Int32, t0: Int32, tok: Int32, cb: Int32, lane: Int32, wsb: Int64):
+    """A warp, a lane per column: MXFP8 of token t0 + tok's K32 block cb of the shared SwiGLU output (BF16 ``bits``)
+    into ``sap``/``sae`` (`_store_digits`)."""
+    n, e, bad = self._mx_lane(bits << v1.BF16_SHIFT)
+    blk = Int64(t0 + tok) * self.n_cb + cb
+    self._store_digits(n, e, bad, lane, wsb + self.ws.sap + blk * SH_BLOCK, wsb + self.ws.sae + blk * 4)
+
+  @cute.jit
+  def _count_done(self, base: Int64, word: Int32 = 0):
+    """After the CTA's stores: thread 0 adds 1 to the counter ``word`` words past ``base`` (fence, then a release
+    add)."""
+    tid, _, _ = cute.arch.thread_idx()
+    cute.arch.sync_threads()
+    if tid == 0:
+      cute.arch.fence_acq_rel_gpu()
+      _red_release_add(base + Int64(word) * v1.WORD_BYTES, 1)
 
   @cute.jit
   def _shared_gemm2(self, tg: Int32, hb: Int32, half: Int32, n_tok: Int32, s2: Int64, s2s: Int64, wsb: Int64,
