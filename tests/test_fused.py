@@ -161,6 +161,54 @@ def test_a_stalled_rank_makes_the_others_raise_and_the_next_call_recovers(monkey
   _check("after the stall", ys, emulated(x, w, r.ids, r.weights, clamp=10.0), tokens)
 
 
+def test_role2_starts_on_the_experts_published_while_one_is_withheld(monkeypatch):
+  """Expert-granular publish (paper §4.5): rank 1 withholds its local expert 0, so its active queue never closes;
+  its role 2 still runs every GEMM1 tile of the experts role 1 published (it streams the queue instead of waiting
+  for its final size), and no GEMM2 tile (those need the closed queue). Rank 1's workspace, read back after the
+  faulted call: each other expert completed its arrivals (every dispatch CTA's share and every row), was appended
+  and counted published, and its GEMM1 tiles are all done."""
+  from gcmoe_jax.ffi import _cuda
+
+  monkeypatch.setenv("GCMOE_WAIT_TIMEOUT_MS", "200")
+  ranks, tokens = 2, [6, 6]
+  x, w, r, _ = _case("k_max", ranks, tokens, seed=23)  # k = E: every token routes to every expert
+  xs, ids, wt = _split(x, tokens), _split(r.ids, tokens), _split(r.weights, tokens)
+  with ffi.VirtualRanks(w, top_k=r.ids.shape[1], ranks=ranks, capacity=CAPACITY, tokens=tokens, clamp=10.0) as vr:
+    vr.stall(1, 0)
+    with pytest.raises(RuntimeError) as info:
+      vr(xs, ids, wt)
+    assert "rank 1: " in str(info.value), str(info.value)
+    v = vr.variant
+    ws = v.workspace()
+    raw = _cuda.debug_read_workspace(0, ws.total)
+    header = np.frombuffer(raw, np.uint32, abi.HEADER_BYTES // 4)
+    assert header[abi.HEADER["rank"] // 4] == 1, "the workspace read back is not rank 1's"
+    epoch = int(header[abi.HEADER["epoch"] // 4])
+    args = (v.experts, v.capacity, v.shared)
+    words = abi.counter_words(*args, ranks)
+    counters = np.frombuffer(raw, np.uint32, words, ws.counters + 4 * words * (epoch & 1))
+    at, arrive = abi.active_queue(*args, ranks), abi.arrivals(*args)
+    appended, closed, entries = int(counters[at]), int(counters[at + 1]), counters[at + 2:at + 2 + v.experts]
+    published = int(counters[abi.fused_counters(*args)[0]])
+    j1 = 2 * v.intermediate // 128
+    gemm1 = counters[:v.experts].tolist()
+    print(f"\n  rank 1 withholding expert 0: queue {appended} appended, closed {closed}, entries "
+          f"{(entries.astype(int) - 1).tolist()}, {published} published; GEMM1 tiles done per expert {gemm1} "
+          f"(of {j1}); arrivals {counters[arrive:arrive + v.experts].tolist()}, claims "
+          f"{counters[arrive + v.experts:arrive + 2 * v.experts].tolist()}")
+    others = list(range(1, v.experts))
+    assert closed == 0 and appended == published == len(others)
+    assert sorted((entries[:appended].astype(int) - 1).tolist()) == others
+    assert gemm1 == [0] + [j1] * len(others), gemm1
+    complete = counters[arrive]
+    assert complete % abi.ARRIVAL_CTA == 0 and (counters[arrive:arrive + v.experts] == complete).all()
+    claims = counters[arrive + v.experts:arrive + 2 * v.experts]
+    assert (claims == sum(tokens)).all(), claims  # every token of both ranks routes to every expert
+    vr.stall(1, -1)
+    ys = vr(xs, ids, wt)
+  _check("after the withheld expert", ys, emulated(x, w, r.ids, r.weights, clamp=10.0), tokens)
+
+
 @pytest.mark.parametrize("tokens", [[6, 6], [2, 2]], ids=["every-CTA-polls", "direct-scan"])
 def test_a_rank_that_never_publishes_makes_the_others_raise_and_the_next_call_recovers(monkeypatch, tokens):
   """Rank 1 never publishes its call (`abi.STALL_CALL`): every rank's wait for it expires (with the direct scan,

@@ -429,7 +429,9 @@ def test_fused_workspace_holds_every_ranks_rows_and_leaves_the_local_layout_alon
   assert fused.aexp - fused.aplanes == 2 * (local.aexp - local.aplanes)
   assert fused.rxexp - fused.rxplanes == 2 * 16 * (512 // 32) * abi.PLANES * 32
   assert fused.pub_rw - fused.pub_ids >= 2 * 16 * 4 * 4  # both parities
-  assert abi.counter_words(4, 16, False, 2) == abi.counter_words(4, 16, False) + 2
+  # The fused counters (experts published, rows returned), and after the active queue role 1's arrivals and row
+  # claims per expert.
+  assert abi.counter_words(4, 16, False, 2) == abi.counter_words(4, 16, False) + 2 + 2 * 4
   assert abi.fused_counters(4, 16, False) == (5, 6)
   assert abi.HEADER["peers"] + 8 * abi.MAX_RANKS <= abi.HEADER_BYTES
   # The packed routes: a tag byte per global assignment; the direct scan's gate: the epoch and every rank's T.
@@ -447,7 +449,10 @@ def test_fused_workspace_holds_every_ranks_rows_and_leaves_the_local_layout_alon
   # every other counter (role 3 zeroes all of them).
   for args in ((4, 16, False), (4, 16, True), (4, 16, False, 2), (4, 16, True, 2, True)):
     assert abi.active_queue(*args) == abi.queue_counter(*args) + 1
-    assert abi.counter_words(*args) == abi.active_queue(*args) + 2 + args[0]
+    fused = len(args) > 3
+    assert abi.counter_words(*args) == abi.active_queue(*args) + 2 + args[0] + (2 * args[0] if fused else 0)
+    if fused:
+      assert abi.arrivals(*args[:3], *args[4:]) == abi.active_queue(*args) + 2 + args[0]
   assert abi.queue_counter(4, 16, False, 2, True) > abi.relay_counters(4, 16, False) + 4 - 1
   assert abi.queue_counter(4, 16, False, 2) > max(abi.fused_counters(4, 16, False))
 
@@ -459,6 +464,9 @@ def test_fused_roles_synchronise_at_system_scope(cache):
   meta = build.compile_variant("sm_90a", Variant(512, 256, 4, 4, 16, ranks=2), cache_dir=cache)
   role1, role2, role3 = (_ptx(meta, r) for r in (1, 2, 3))
   assert "gcmoe_role1_dispatch_fused" in role1 and "ld.acquire.sys" in role1 and "ld.global.cg.v4" in role1
+  # Expert-granular publish: the arrivals' acq_rel adds (the completing one publishes), no CTA counting itself done
+  # for a grid-wide wait.
+  assert "atom.acq_rel.gpu.global.add.u32" in role1 and "red.release.gpu.global.add" not in role1
   assert "st.release.sys" in role2 and "red.release.sys" in role2
   assert "ld.acquire.sys" in role3
   local = build.compile_variant("sm_90a", SMALL, cache_dir=cache)

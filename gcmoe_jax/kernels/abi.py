@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["HEADER", "PARAMS", "Workspace", "active_queue", "counter_words", "fused_counters", "item_order",
-           "pull_cache", "queue_counter", "relay_counters", "workspace_layout", "SILU_TABLE_ENTRIES"]
+__all__ = ["HEADER", "PARAMS", "Workspace", "active_queue", "arrivals", "counter_words", "fused_counters",
+           "item_order", "pull_cache", "queue_counter", "relay_counters", "workspace_layout", "SILU_TABLE_ENTRIES"]
 
 # Kernel parameter names, in order: 13 pointers, then T (int32) and clamp (float32).
 PARAMS = ("x", "ids", "route_weights", "w13", "w13_scale", "w2", "w2_scale", "s13", "s13_scale", "s2", "s2_scale",
@@ -89,7 +89,8 @@ FAST_EXP = (-63, 35)  # e - 10 of every block of a row in this range (and no NaN
 # error_counter of a role-2 wait, by what was awaited (low bits: the expert id where there is one).
 WAIT_READY, WAIT_GEMM1, WAIT_XQ, WAIT_SHARED = 0, 0x10000, 0x20000, 0x30000
 # Waits of the fused transport: a peer's published call (+ the peer's rank; role 1), every CTA's received rows
-# (role 1), and this rank's returned rows (role 3).
+# (role 1 before it published per expert, session 24: no kernel waits for it now, the runtime still names it), and
+# this rank's returned rows (role 3).
 WAIT_PEER, WAIT_RECEIVED, WAIT_RETURNS = 0x40000, 0x50000, 0x60000
 WAIT_RELAY = 0x70000  # a relay copier (role 2) waited for experts' GEMM2 items (observed: experts left)
 WAIT_PIPE = 0x80000  # role 2's K loop waited for a stage's copies or readers (observed: the K128 block)
@@ -97,6 +98,7 @@ WAIT_GATE = 0x90000  # a role-1 CTA of the direct scan (B <= 2) waited for block
 # Role 2 waited for role 1 to close its active queue (+ the entries appended; observed: the same). Where an expert is
 # still unpublished when the bound expires, the record names it instead (WAIT_READY + e, observed ready[e]).
 WAIT_QUEUE = 0xA0000
+ITEM_NONE = 0x7FFFFFFF  # role 2 of the fused transport: a claim that found no item (an expired wait for the queue)
 STALL_CALL = -2  # stall_expert of a fused-transport rank that never publishes its call (x_ready) to the peers
 ROLE_TRANSPORT = 4  # error_role of an expired fused-transport wait (error_counter: WAIT_PEER..WAIT_RELAY, WAIT_GATE)
 SILU_TABLE_ENTRIES = 1 << 16  # float32 silu(g) per BF16 bit pattern (reference.silu_table)
@@ -196,8 +198,9 @@ def counter_words(experts: int, capacity: int, shared: bool, ranks: int = 1, rel
   """Words of one parity of the v2 ``counters`` section: E experts, the x-quantization count, with a shared
   expert one per token (its token groups of 8 or 16 use the first ceil(T / 8) or ceil(T / 16)), with R > 1 ranks
   two more (`fused_counters`), on the relay return path one per expert (its GEMM2 items done, `relay_counters`),
-  role 2's item queue (`queue_counter`), and last role 1's active queue of experts (`active_queue`: 2 + E)."""
-  return active_queue(experts, capacity, shared, ranks, relay) + 2 + experts
+  role 2's item queue (`queue_counter`), role 1's active queue of experts (`active_queue`: 2 + E), and last with
+  R > 1 ranks role 1's arrivals and row claims per expert (`arrivals`: 2 E)."""
+  return active_queue(experts, capacity, shared, ranks, relay) + 2 + experts + (2 * experts if ranks > 1 else 0)
 
 
 def queue_counter(experts: int, capacity: int, shared: bool, ranks: int = 1, relay: bool = False) -> int:
@@ -234,6 +237,19 @@ def item_order(capacity: int, ablation: str = "") -> tuple[str, ...]:
   return ITEM_ORDER_SHARED_FIRST
 
 
+# Role 1's expert-granular publish (fused transport, paper §4.5): each dispatch CTA adds `ARRIVAL_CTA` minus the
+# rows it claimed for expert e to ``arrive[e]`` once it listed its routes, and each landed row adds 1, so ``arrive[e]``
+# reaches grid x `ARRIVAL_CTA` exactly when every CTA listed its routes and every row of e landed; the thread whose
+# add gets it there publishes e. A CTA claims fewer than R C k <= 2**16 rows, and grid x 2**20 stays below 2**32.
+ARRIVAL_CTA = 1 << 20
+
+
+def arrivals(experts: int, capacity: int, shared: bool, relay: bool = False) -> int:
+  """Word index, in one parity of ``counters`` of a fused variant (R > 1), of ``arrive[0]`` (`ARRIVAL_CTA`); E words
+  on, ``claim[0]``: expert e's rows claimed so far (an atomic add takes a row's place in ``rows[e]``)."""
+  return active_queue(experts, capacity, shared, 2, relay) + 2 + experts
+
+
 def relay_counters(experts: int, capacity: int, shared: bool) -> int:
   """Word index, in one parity of ``counters``, of expert 0's count of GEMM2 items done (the relay path)."""
   return fused_counters(experts, capacity, shared)[1] + 1
@@ -246,9 +262,9 @@ def pull_cache(top_k: int, ranks: int) -> bool:
 
 
 def fused_counters(experts: int, capacity: int, shared: bool) -> tuple[int, int]:
-  """Word indices, in one parity of ``counters``, of the fused transport's counts: role-1 CTAs done copying
-  received rows, and GEMM2 rows returned to this rank by every rank (C k valid routes x H / 128 tiles when all
-  landed)."""
+  """Word indices, in one parity of ``counters``, of the fused transport's counts: experts role 1 published (the
+  thread that publishes the last one closes the active queue), and GEMM2 rows returned to this rank by every rank
+  (C k valid routes x H / 128 tiles when all landed)."""
   base = experts + 1 + (capacity if shared else 0)
   return base, base + 1
 

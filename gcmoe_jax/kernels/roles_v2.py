@@ -130,7 +130,11 @@ CTL_TL = CTL_FAULT + 4  # the timeline build's count of this CTA's recorded item
 # The E2M1 decode's prmt tables (`DECODE_TABLES`), read from SMEM once per stage (`_stage`): as
 # immediates ptxas rematerialised a table register before every prmt (one IMAD per 4 codes at the 128-register cap).
 CTL_TABLES = CTL_TL + 4
-assert CTL_TABLES + 16 <= CTRL_BYTES
+# The fused transport's role 2 streams role 1's active queue (`RoleKernelsV2._claim_streaming`): the experts hit
+# known when this CTA's claimed item was decoded (the queue's size once closed, else the experts it covers), and 1
+# where the claim first saw the closed queue (the CTA then fills the expert table).
+CTL_HITS, CTL_FILL = CTL_TABLES + 16, CTL_TABLES + 20
+assert CTL_FILL + 4 <= CTRL_BYTES
 # A stage starts 1024-aligned: TMA's 64-byte swizzle is a function of the SMEM address bits 7-8, so the tile lands
 # in the layout `_weight_words` reads (16 B chunk c of row r at c ^ ((r >> 1) & 3)) only from a 512-aligned base.
 STAGE_ALIGN = 1024
@@ -602,6 +606,16 @@ def _atom_exch_acq_rel(addr, v) -> Int32:
   return v1._ptx1("atom.acq_rel.gpu.global.exch.b32 {$w0}, [{$r0}], {$r1};", addr, Int32(v))
 
 
+def _atom_add_acq_rel(addr, v) -> Int32:
+  """The old value of an acq_rel gpu-scope atomic add (role 1's arrivals: the add that completes a count acquires
+  every earlier release of it)."""
+  return v1._ptx1("atom.acq_rel.gpu.global.add.u32 {$w0}, [{$r0}], {$r1};", addr, Int32(v))
+
+
+def _ld_u8(addr) -> Int32:
+  return v1._ptx1("{ .reg .b16 _h; ld.global.u8 _h, [{$r0}]; cvt.u32.u16 {$w0}, _h; }", addr)
+
+
 def _red_release_add(addr, v) -> None:
   cute.arch.inline_ptx("red.release.gpu.global.add.u32 [{$r0}], {$r1};", read_only_args=[addr, Int32(v)])
 
@@ -729,8 +743,14 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # Role 2's queue order (`abi.item_order`): the shared expert's items first at up to 32 tokens, else the routed.
     self.item_order = abi.item_order(v.capacity, self.ablation)
     self.rcap = v.capacity * v.ranks
-    self.tags = CTRL_BYTES // 8
-    self.role1_smem = (self.tags + (self.rcap * v.top_k + 3) // 4 * 4 + 127) // 128 * 128 if self.fused else 0
+    # Role 1 of the fused transport: the peers' T at 16 + 4 p, this CTA's row claims per local expert from 128.
+    self.claimed = 128
+    self.role1_smem = (self.claimed + 4 * v.experts + 127) // 128 * 128 if self.fused else 0
+    if self.fused:
+      self.arrive = abi.arrivals(v.experts, v.capacity, v.shared, v.relay)
+      if self.rcap * v.top_k >= abi.ARRIVAL_CTA:
+        raise ValueError(f"roles_v2: {variant.key}: R C k = {self.rcap * v.top_k} rows per expert must stay below "
+                         f"abi.ARRIVAL_CTA = {abi.ARRIVAL_CTA}")
     # Token groups of two n-tiles where the pipeline area holds their SMEM (`SH_BYTES_WIDE`, ~106 KB: the one-CTA
     # sm_90a variants), else one (70 KB: the two-CTA variants, and SM120's 99 KB per CTA).
     self.sh = SharedSmem(SH_TOKENS_WIDE if self.ctas == 1 and not self.qmma else SH_TOKENS)
@@ -822,14 +842,15 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     2. thread p waits (bounded) until rank p published this call (``x_ready >= cur``: its role 2 quantized x and
        stored its ids, route weights and T); its T to SMEM. With B <= `DIRECT_SCAN_TOKENS` (the direct scan) only
        block 0 polls the peers, then opens the local ``rgate`` with their T, and the other CTAs wait on that;
-    3. a warp per global token g = p C + t reads its k ids and route weights from rank p once, stores each route's
-       local expert (or 0xFF) into ``rtags`` and its weight into ``grw`` (the packed routes), and if one is local
-       copies the token's quantized row (digit planes, exponent words, scale bytes, flag) from rank p's workspace
-       into ``rx*[g]`` with `PULL_DEPTH` 16-byte loads per lane in flight (the pull cache keyed by (rank, token): a
-       row is pulled once whatever k of its routes land here; without it, k < R, a warp per global route);
-    4. each CTA counts itself done (release), block 0 waits for all, copies ``rtags`` to SMEM, then thread e
-       lists expert e's rows in (rank, token, slot) order, publishes ``ready[e] = cur`` and appends the expert to
-       the active queue as in v1 (if it has rows), and thread 0 closes the queue once all are published.
+    3. the route scan: a warp per global token g = p C + t reads its k ids and route weights from rank p once,
+       stores each route's local expert (or 0xFF) into ``rtags`` and its weight into ``grw`` (the packed routes),
+       and a lane whose route is local claims the route's place in its expert's ``rows`` (an atomic add on
+       ``claim[e]``, `abi.arrivals`); then the CTA adds `abi.ARRIVAL_CTA` minus its claims to each ``arrive[e]``;
+    4. the pulls: the same warp copies each token with a local route once (the pull cache keyed by (rank, token);
+       without it, k < R, a warp per global route) from rank p's workspace into ``rx*[g]`` with `PULL_DEPTH`
+       16-byte loads per lane in flight, then each of its local routes adds 1 to its expert's ``arrive[e]``;
+    5. expert-granular publish: the thread whose add completes ``arrive[e]`` (every CTA listed its routes, every
+       row of e landed) publishes e (`_publish`), so role 2 can start on an expert while others' rows are in flight.
     """
     v, ws = self.v, self.ws
     tid, _, _ = cute.arch.thread_idx()
@@ -838,9 +859,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     warp = tid // 32
     lane = tid % 32
     smem = cute.arch.get_dyn_smem(Int32, alignment=128).toint()
-    tags = smem + self.tags
-    n_assign_all = self.rcap * v.top_k
-    n_tags = (n_assign_all + 3) // 4 * 4
+    claimed = smem + self.claimed  # u32 per local expert: the rows this CTA claimed
     ranks, cap, k, local = v.ranks, v.capacity, v.top_k, v.experts
     wsb = workspace.toint()
     idb = ids.toint()
@@ -849,9 +868,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     cur = v1._ld(wsb + abi.HEADER["epoch"]) + 1
     par = cur & 1
     lo = v1._ld(wsb + abi.HEADER["rank"]) * local
-    words = self.words
-    received, _ = abi.fused_counters(local, cap, v.shared)
-    counter = wsb + ws.counters + (Int64(par) * words + received) * v1.WORD_BYTES
+    counters = wsb + ws.counters + Int64(par) * (self.words * v1.WORD_BYTES)
+    arrive = counters + self.arrive * v1.WORD_BYTES
+    claim = arrive + local * v1.WORD_BYTES
+    complete = Int32(grid) * abi.ARRIVAL_CTA
     gate = wsb + ws.rgate
     pub = Int64(par) * (cap * k)
     if bid == 0:
@@ -859,6 +879,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         eid = v1._ld_nc(idb + Int64(a) * v1.WORD_BYTES)
         if eid >= local * ranks:
           v1._record_fault(wsb, 1, bid, cur, eid, a)
+    for e in range(tid, local, THREADS):
+      _sts(claimed + e * 4, 0)
     ok = Int32(1)
     direct = n_tok <= DIRECT_SCAN_TOKENS
     if direct & (bid != 0):
@@ -884,66 +906,72 @@ class RoleKernelsV2(v1.RoleKernelsV1):
           cute.arch.fence_acq_rel_gpu()
           cute.arch.store(v1._gptr(gate), cur, sem="release", scope="gpu")
     ok = 1 - _bar_or(ok == 0)
+    # A CTA whose wait failed lists no route and never adds to ``arrive``: no expert completes, and role 2's waits
+    # for the queue end on the recorded fault.
     # With the pull cache a warp takes a global token and pulls its row once if any of its k routes is local;
     # without it (k < R) a warp takes a global route and pulls the row for that route alone.
     per = 1 if self.cache else k
+    lanes = k if self.cache else 1
     if ok != 0:
       for gr in range(bid * WARPS + warp, ranks * cap * per, Int32(grid) * WARPS):
         gt = gr // per
         p = gt // cap
         t = gt - p * cap
-        pb = _peer(wsb, p)
-        hit = Int32(0)
-        if lane < (k if self.cache else 1):
+        if lane < lanes:
           a = gt * k + (lane if self.cache else gr - gt * k)  # the global assignment this lane reads
           tag = Int32(0xFF)
           if t < _lds(smem + 16 + p * 4):
             at = pub + (a - gt * k) + t * k
+            pb = _peer(wsb, p)
             gid = _ld_cg(pb + ws.pub_ids + at * v1.WORD_BYTES)
             rw = _ld_cg(pb + ws.pub_rw + at * v1.WORD_BYTES)
             if (gid >= lo) & (gid < lo + local):
-              hit = Int32(1)
               tag = gid - lo
               v1._st(wsb + ws.grw + Int64(a) * v1.WORD_BYTES, rw)
+              pos = _atom_add(claim + Int64(tag) * v1.WORD_BYTES, 1)
+              v1._st(wsb + ws.rows + (Int64(tag) * (self.rcap * k) + pos) * v1.WORD_BYTES, a)
+              cute.arch.inline_ptx("red.shared.add.u32 [{$r0}], 1;", read_only_args=[claimed + tag * 4])
           _st_u8(wsb + ws.rtags + Int64(a), tag)
-        if _warp_any(hit) != 0:
-          self._pull_row(wsb, pb, gr, t, lane)
-    cute.arch.sync_threads()
-    if (tid == 0) & (ok != 0):  # a CTA whose wait failed never counts itself: block 0's wait then ends on the fault
-      cute.arch.fence_acq_rel_gpu()
-      _red_release_add(counter, 1)
-    if bid == 0:
-      if tid == 0:
-        if ok != 0:
-          ok = self._wait_geq(counter, Int32(grid), wsb, cur, bid, Int32(abi.WAIT_RECEIVED), abi.ROLE_TRANSPORT)
-      ok = 1 - _bar_or(ok == 0)
-      if ok != 0:
-        for w in range(tid, n_tags // 4, THREADS):
-          word = _ld_cg(wsb + ws.rtags + Int64(w) * 4)
-          if cutlass.const_expr(n_tags != n_assign_all):  # the last word's padding bytes are no route
-            if w == n_tags // 4 - 1:
-              word = word | Int32(-(1 << (8 * (4 - (n_tags - n_assign_all)))))
-          _sts(tags + w * 4, word)
       cute.arch.sync_threads()
-      if ok != 0:
-        stall = v1._ld(wsb + abi.HEADER["stall_expert"])
-        for e in range(tid, local, THREADS):
-          rows_e = wsb + ws.rows + Int64(e) * (self.rcap * k * v1.WORD_BYTES)
-          count = Int32(0)
-          for w in range(n_tags // 4):
-            word = _lds(tags + w * 4)
-            for b in cutlass.range_constexpr(4):
-              if ((word >> (8 * b)) & 0xFF) == e:
-                v1._st(rows_e + Int64(count) * v1.WORD_BYTES, w * 4 + b)
-                count = count + 1
-          v1._st(wsb + ws.count + Int64(e) * v1.WORD_BYTES, count)
-          if e != stall:
-            cute.arch.store(v1._gptr(wsb + ws.ready + Int64(e) * v1.WORD_BYTES), cur, sem="release", scope="gpu")
-            if count > 0:
-              v1._queue_append(self._active_queue(wsb, cur), e)
-        cute.arch.sync_threads()
-        if (tid == 0) & ((stall < 0) | (stall >= local)):  # a withheld expert keeps the queue open
-          v1._queue_close(self._active_queue(wsb, cur))
+      # This CTA listed its routes: its share of every expert's arrivals (the release carries its rows[e] entries).
+      for e in range(tid, local, THREADS):
+        cute.arch.fence_acq_rel_gpu()
+        add = abi.ARRIVAL_CTA - _lds(claimed + e * 4)
+        if _atom_add_acq_rel(arrive + Int64(e) * v1.WORD_BYTES, add) + add == complete:
+          self._publish(e, wsb, cur, counters, claim)
+      for gr in range(bid * WARPS + warp, ranks * cap * per, Int32(grid) * WARPS):
+        gt = gr // per
+        p = gt // cap
+        t = gt - p * cap
+        tag = Int32(0xFF)
+        a = gt * k + (lane if self.cache else gr - gt * k)
+        if lane < lanes:
+          tag = cutlass.select_(t < _lds(smem + 16 + p * 4), _ld_u8(wsb + ws.rtags + Int64(a)), Int32(0xFF))
+        if _warp_any(tag != 0xFF) != 0:
+          self._pull_row(wsb, _peer(wsb, p), gr, t, lane)
+          cute.arch.sync_warp()  # the warp's row stores, before each route's release
+          if tag != 0xFF:
+            cute.arch.fence_acq_rel_gpu()
+            if _atom_add_acq_rel(arrive + Int64(tag) * v1.WORD_BYTES, 1) + 1 == complete:
+              self._publish(tag, wsb, cur, counters, claim)
+
+  @cute.jit
+  def _publish(self, e: Int32, wsb: Int64, cur: Int32, counters: Int64, claim: Int64):
+    """One thread, whose acq_rel add completed expert ``e``'s arrivals (every CTA's rows[e] entries and every row of
+    e are visible to it): writes ``count[e]``, publishes ``ready[e] = cur`` (release) and appends e to the active
+    queue if it has rows, then counts the expert published; the thread that counts the last one closes the queue.
+    The stall test hook's expert is neither published nor counted, so the queue stays open."""
+    v, ws = self.v, self.ws
+    count = v1._ld(claim + Int64(e) * v1.WORD_BYTES)
+    v1._st(wsb + ws.count + Int64(e) * v1.WORD_BYTES, count)
+    if e != v1._ld(wsb + abi.HEADER["stall_expert"]):
+      cute.arch.store(v1._gptr(wsb + ws.ready + Int64(e) * v1.WORD_BYTES), cur, sem="release", scope="gpu")
+      queue = self._active_queue(wsb, cur)
+      if count > 0:
+        v1._queue_append(queue, e)
+      published, _ = abi.fused_counters(v.experts, v.capacity, v.shared)
+      if _atom_add_acq_rel(counters + published * v1.WORD_BYTES, 1) == v.experts - 1:
+        v1._queue_close(queue)
 
   @cute.jit
   def _pull_row(self, wsb: Int64, pb: Int64, gr: Int32, t: Int32, lane: Int32):
@@ -1058,7 +1086,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       cute.arch.fence_acq_rel_gpu()
       _red_release_add(counters + v.experts * v1.WORD_BYTES, 1)
 
-    # ---- the experts hit: role 1's active queue, once it is closed ---------------------------------------------
+    # ---- the experts hit: role 1's active queue, once it is closed (the fused transport: as it grows) ----------
     queue = self._active_queue(wsb, cur)
     ok = Int32(1)
     if tid == 0:
@@ -1068,21 +1096,26 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         if (bid == 0) & (ok != 0) & (v1._ld(wsb + abi.HEADER["stall_expert"]) != abi.STALL_CALL):
           _fence_sys()
           _st_release_sys(wsb + abi.HEADER["x_ready"], cur)
-      if ok != 0:
-        ok = self._await_queue(queue, wsb, cur, bid)
-      _sts(ctl, ok)
-      _sts(ctl + 4, cutlass.select_(ok != 0, v1._ld(queue + v1.WORD_BYTES) - 1, Int32(0)))
+      if cutlass.const_expr(self.fused):
+        # The queue's size is unknown until role 1 closes it: the items are decoded as it grows (`_claim_streaming`).
+        _sts(ctl, ok)
+        _sts(ctl + 4, -1)
+        _sts(ctl + CTL_HITS, 0)
+      else:
+        if ok != 0:
+          ok = self._await_queue(queue, wsb, cur, bid)
+        _sts(ctl, ok)
+        _sts(ctl + 4, cutlass.select_(ok != 0, v1._ld(queue + v1.WORD_BYTES) - 1, Int32(0)))
       if cutlass.const_expr(v.shared):
         _sts(ctl + CTL_TOKENS, n_tok)
     cute.arch.sync_threads()
-    # The table: count[e] at 4 e, the experts hit in queue (publication) order from 4 E.
-    for h in range(tid, _lds(ctl + 4), THREADS):
-      e = v1._ld(queue + Int64(2 + h) * v1.WORD_BYTES) - 1
-      _sts(table + (v.experts + h) * 4, e)
-      _sts(table + e * 4, v1._ld(wsb + ws.count + Int64(e) * v1.WORD_BYTES))
+    if cutlass.const_expr(not self.fused):
+      self._fill_table(queue, wsb, table, _lds(ctl + 4))
     cute.arch.sync_threads()
     ok = _lds(ctl)
     n_hit = _lds(ctl + 4)
+    if cutlass.const_expr(self.fused):
+      n_hit = _lds(ctl + CTL_HITS)
     cute.arch.sync_threads()
     if cutlass.const_expr(self.timeline):
       if tid == 0:
@@ -1118,14 +1151,27 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       step = grid32 - n_relay
       if bid < n_relay:
         if ok != 0:
-          self._copier(bid, n_relay, n_hit, table, wsb, cur, bid, counters, pipe)
+          # A copier follows the experts in queue order, and needs the closed queue.
+          if tid == 0:
+            _sts(ctl, self._await_queue(queue, wsb, cur, bid))
+            _sts(ctl + 4, v1._ld(queue + v1.WORD_BYTES) - 1)
+          cute.arch.sync_threads()
+          if _lds(ctl) != 0:
+            self._fill_table(queue, wsb, table, _lds(ctl + 4))
+            cute.arch.sync_threads()
+            self._copier(bid, n_relay, _lds(ctl + 4), table, wsb, cur, bid, counters, pipe)
         takes = Int32(0)  # a copier takes no item
     item = n_items
     if takes != 0:
-      if cutlass.const_expr(self.dynamic):
+      if cutlass.const_expr(self.fused):
+        item, n_hit = self._claim_streaming(counters, ctl, queue, table, wsb, cur, bid, n_s1)
+      elif cutlass.const_expr(self.dynamic):
         item = self._claim(counters, ctl)
       else:
         item = first
+    called = ok  # (``ok`` is reused by the items' waits)
+    if cutlass.const_expr(self.fused):
+      n1, n2, n_items, r1_at, r2_at, s1_at, s2_at = self._item_bounds(n_hit, n_s1, n_s2, called)
     while item < n_items:
       if cutlass.const_expr(self.timeline):
         self._tl_item(wsb, cur, bid, ctl, item, 0)
@@ -1183,7 +1229,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         self._tl_item(wsb, cur, bid, ctl, item, 2)
       # A CTA that failed a wait goes on claiming (and skipping) items, as with the round-robin, so the claims of
       # the others stay in item order.
-      if cutlass.const_expr(self.dynamic):
+      if cutlass.const_expr(self.fused):
+        item, n_hit = self._claim_streaming(counters, ctl, queue, table, wsb, cur, bid, n_s1)
+        n1, n2, n_items, r1_at, r2_at, s1_at, s2_at = self._item_bounds(n_hit, n_s1, n_s2, called)
+      elif cutlass.const_expr(self.dynamic):
         item = self._claim(counters, ctl)
       else:
         item = item + step
@@ -1223,6 +1272,97 @@ class RoleKernelsV2(v1.RoleKernelsV1):
           self._tl_cta(wsb, cur, bid, rec + 3)
       if cutlass.const_expr(phase == 2):
         _sts(ctl + CTL_TL, n + 1)
+
+  @cute.jit
+  def _fill_table(self, queue: Int64, wsb: Int64, table: Int32, n_hit: Int32):
+    """The CTA fills its expert table from the closed queue: count[e] at 4 e, the experts hit in queue (publication)
+    order from 4 E."""
+    tid, _, _ = cute.arch.thread_idx()
+    for h in range(tid, n_hit, THREADS):
+      e = v1._ld(queue + Int64(2 + h) * v1.WORD_BYTES) - 1
+      _sts(table + (self.v.experts + h) * 4, e)
+      _sts(table + e * 4, v1._ld(wsb + self.ws.count + Int64(e) * v1.WORD_BYTES))
+
+  @cute.jit
+  def _item_bounds(self, n_hit: Int32, n_s1: Int32, n_s2: Int32, ok: Int32):
+    """The queue's item ranges with ``n_hit`` experts hit (`abi.item_order`): (routed GEMM1 items, routed GEMM2
+    items, all items, where routed GEMM1, routed GEMM2, shared GEMM1 and shared GEMM2 start)."""
+    n1 = n_hit * self.j1
+    n2 = n_hit * (0 if cutlass.const_expr(self.ablation == "nogemm2") else self.j2)
+    n_items = cutlass.select_(ok != 0, n1 + n2 + n_s1 + n_s2, Int32(0))
+    at, sizes = {}, {"routed GEMM1": n1, "routed GEMM2": n2, "shared GEMM1": n_s1, "shared GEMM2": n_s2}
+    end = Int32(0)
+    for kind in self.item_order:
+      at[kind] = end
+      end = end + sizes[kind]
+    return (n1, n2, n_items, *(at[kind] for kind in sizes))
+
+  @cute.jit
+  def _claim_streaming(self, counters: Int64, ctl: Int32, queue: Int64, table: Int32, wsb: Int64, cur: Int32,
+                       bid: Int32, n_s1: Int32):
+    """`_claim` for role 2 of the fused transport, which does not wait for role 1 to close its active queue: (the
+    item, the experts hit it may be decoded with). A routed GEMM1 item of the h-th expert published runs as soon as
+    queue entry h is filled (thread 0 puts the expert and its count into the table), with h + 1 experts hit; the
+    items that depend on the queue's size (routed GEMM2 items, and what follows the routed GEMM1 items) wait until
+    it is closed, and the first claim that sees it closed has the CTA fill the whole table. An expired wait is
+    recorded as `_await_queue` records it, and the CTA stops (an item past every count)."""
+    v = self.v
+    tid, _, _ = cute.arch.thread_idx()
+    if tid == 0:
+      item = _atom_add(counters + self.queue * v1.WORD_BYTES, 1)
+      known = _lds(ctl + 4)
+      hits = known
+      fill = Int32(0)
+      if known < 0:
+        r1_at = Int32(0)
+        if cutlass.const_expr(self.item_order.index("routed GEMM1") > 0):
+          assert self.item_order[0] == "shared GEMM1"
+          r1_at = n_s1
+        hits = Int32(0)
+        if (item >= r1_at) & (_lds(ctl) != 0):
+          h = (item - r1_at) // self.j1
+          entry_at = queue + Int64(2 + cutlass.min(h, v.experts - 1)) * v1.WORD_BYTES
+          flag = v1._gptr(wsb + abi.HEADER["error_flag"])
+          timeout = v1._ld(wsb + abi.HEADER["timeout_ns"], cutlass.Uint64)
+          start = cute.arch.globaltimer()
+          size = cute.arch.load(v1._gptr(queue + v1.WORD_BYTES), Int32, sem="acquire", scope="gpu")
+          entry = cute.arch.load(v1._gptr(entry_at), Int32, sem="acquire", scope="gpu")
+          entry = cutlass.select_(h < v.experts, entry, Int32(0))
+          fault = cute.arch.load(flag, Int32, sem="relaxed", scope="gpu")
+          elapsed = cutlass.Uint64(0)
+          while (size == 0) & (entry == 0) & (fault == 0) & (elapsed <= timeout):
+            cute.arch.inline_ptx("nanosleep.u32 {$r0};", read_only_args=[Int32(v1.SPIN_SLEEP_NS)])
+            size = cute.arch.load(v1._gptr(queue + v1.WORD_BYTES), Int32, sem="acquire", scope="gpu")
+            entry = cute.arch.load(v1._gptr(entry_at), Int32, sem="acquire", scope="gpu")
+            entry = cutlass.select_(h < v.experts, entry, Int32(0))
+            fault = cute.arch.load(flag, Int32, sem="relaxed", scope="gpu")
+            elapsed = cutlass.Uint64(cute.arch.globaltimer() - start)
+          cute.arch.fence_acq_rel_gpu()  # the CTA reads count[e], rows[e] and the received rows after its barrier
+          if size > 0:
+            hits = size - 1
+            fill = Int32(1)
+            _sts(ctl + 4, hits)
+          elif entry > 0:
+            e = entry - 1
+            _sts(table + (v.experts + h) * 4, e)
+            _sts(table + e * 4, v1._ld(wsb + self.ws.count + Int64(e) * v1.WORD_BYTES))
+            hits = h + 1
+          else:
+            if fault == 0:
+              self._queue_fault(queue, wsb, cur, bid)
+            item = Int32(abi.ITEM_NONE)
+      _sts(ctl + CTL_CLAIM, item)
+      _sts(ctl + CTL_HITS, hits)
+      _sts(ctl + CTL_FILL, fill)
+    cute.arch.sync_threads()
+    item = _lds(ctl + CTL_CLAIM)
+    hits = _lds(ctl + CTL_HITS)
+    fill = _lds(ctl + CTL_FILL)
+    cute.arch.sync_threads()  # every thread read them before the next claim overwrites them
+    if fill != 0:
+      self._fill_table(queue, wsb, table, hits)
+      cute.arch.sync_threads()
+    return item, hits
 
   @cute.jit
   def _claim(self, counters: Int64, ctl: Int32) -> Int32:
@@ -1616,23 +1756,28 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     """One thread: bounded wait until role 1 closed this call's active queue at ``queue`` (`abi.active_queue`); 1 if
     it did, else 0. An expired wait records the first expert role 1 left unpublished (``WAIT_READY + e``, observed
     ``ready[e]``: a stalled role 1), or else ``WAIT_QUEUE`` + the queue's size so far."""
-    v, ws = self.v, self.ws
     size, fault = self._spin_geq(queue + v1.WORD_BYTES, Int32(1), wsb)
     ok = Int32(0)
     if size > 0:
       ok = Int32(1)
       cute.arch.fence_acq_rel_gpu()  # the CTA reads the entries, count[e] and rows[e] after the barrier that follows
-    elif fault == 0:  # the bound expired: name what role 1 left unpublished, recorded once (the first fault wins)
-      appended = v1._ld(queue)
-      what = Int32(abi.WAIT_QUEUE) + appended
-      observed = appended
-      for x in range(v.experts):
-        r = _ld_gpu(wsb + ws.ready + Int64(x) * v1.WORD_BYTES)
-        if (r != cur) & (what >= abi.WAIT_QUEUE):
-          what = Int32(abi.WAIT_READY) + x
-          observed = r
-      v1._record_fault(wsb, 2, bid, cur, what, observed)
+    elif fault == 0:
+      self._queue_fault(queue, wsb, cur, bid)
     return ok
+
+  @cute.jit
+  def _queue_fault(self, queue: Int64, wsb: Int64, cur: Int32, bid: Int32):
+    """A wait for the active queue expired: records what role 1 left unpublished, once (the first fault wins)."""
+    v, ws = self.v, self.ws
+    appended = v1._ld(queue)
+    what = Int32(abi.WAIT_QUEUE) + appended
+    observed = appended
+    for x in range(v.experts):
+      r = _ld_gpu(wsb + ws.ready + Int64(x) * v1.WORD_BYTES)
+      if (r != cur) & (what >= abi.WAIT_QUEUE):
+        what = Int32(abi.WAIT_READY) + x
+        observed = r
+    v1._record_fault(wsb, 2, bid, cur, what, observed)
 
   @cute.jit
   def _spin_geq(self, addr: Int64, target: Int32, wsb: Int64, scope: cutlass.Constexpr = "gpu",
