@@ -808,7 +808,8 @@ std::string Runtime::ReadFault(CUstream stream) {
     const uint32_t what = h->error_counter & 0xffff0000u, which = h->error_counter & 0xffffu;
     msg += what == 0x40000u   ? " (the fused transport waited for rank " + std::to_string(which) +
                                     " to publish this call, and it did not"
-           : what == 0x50000u ? " (the fused transport waited for this rank's dispatch CTAs to receive their rows"
+           : what == 0x50000u ? " (the fused transport's pull engine waited for a row's bulk copy from rank " +
+                                    std::to_string(which) + " to land"
            : what == 0x90000u ? " (the fused transport's dispatch CTAs waited for block 0's direct scan of the peers"
                               : " (the fused transport waited for the peers to return this rank's rows: " +
                                     std::to_string(h->error_observed) + " row tiles arrived";

@@ -28,9 +28,9 @@ def _kernels(text: str) -> str:
 def _ablation(text: str) -> str:
   if text not in ("", "nomath", "nogemm2", "widedecode", "tma", "static", "evenbodies",
                   "timeline", "nosingle", "twoplane", "stagebar", "sharedfirst",
-                  "routedfirst"):
+                  "routedfirst", "regpull"):
     raise ValueError("expected nomath, nogemm2, widedecode, tma, static, evenbodies, timeline, nosingle, twoplane, "
-                     "stagebar, sharedfirst, routedfirst or empty")
+                     "stagebar, sharedfirst, routedfirst, regpull or empty")
   return text
 
 
@@ -85,7 +85,9 @@ VARS = {v.name: v for v in (
                                        "passes too, results exact, for A/B timing; sharedfirst / routedfirst: "
                                        "role 2's queue with the shared expert's items before the routed ones "
                                        "(GEMM1, then GEMM2) / after them in every variant (by default: shared "
-                                       "first up to 32 tokens), results exact, for A/B timing); "
+                                       "first up to 32 tokens), results exact, for A/B timing; regpull: the "
+                                       "fused transport's role 1 pulls by register batches instead of its pull "
+                                       "engine, results exact, for A/B timing); "
                                        "part of the cubin key"),
   Var("GCMOE_WAIT_TIMEOUT_MS", _wait_ms, 2000, "bound of every device spin-wait; expiry becomes a Python exception"),
   Var("GCMOE_FIRST_WAIT_TIMEOUT_MS", _wait_ms, 120_000, "bound of the spin-waits of the first call of the fused "

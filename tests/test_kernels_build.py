@@ -436,7 +436,8 @@ def test_fused_workspace_holds_every_ranks_rows_and_leaves_the_local_layout_alon
   assert abi.HEADER["peers"] + 8 * abi.MAX_RANKS <= abi.HEADER_BYTES
   # The packed routes: a tag byte per global assignment; the direct scan's gate: the epoch and every rank's T.
   assert fused.rgate - fused.rtags >= 2 * 16 * 4 and fused.relay_arena - fused.rgate >= 4 * (1 + 2)
-  assert local.rtags == local.rgate == local.total
+  assert local.rtags == local.rgate == local.xq == local.total
+  assert fused.relay_arena - fused.xq >= 16 * 512  # the pull engine's source: a row of E4M3 codes per token
   # Without the pull cache (k < R) every route gets its own received row; the relay path parks R C k rows.
   no_cache = Variant(512, 256, 4, 1, 16, ranks=2).workspace("v2")
   assert no_cache.rxexp - no_cache.rxplanes == fused.rxexp - fused.rxplanes  # k = 1: one row per route = per token
@@ -463,7 +464,7 @@ def test_fused_roles_synchronise_at_system_scope(cache):
   system scope (a peer may be another GPU); the local variant's role 2 has no system-scope access at all."""
   meta = build.compile_variant("sm_90a", Variant(512, 256, 4, 4, 16, ranks=2), cache_dir=cache)
   role1, role2, role3 = (_ptx(meta, r) for r in (1, 2, 3))
-  assert "gcmoe_role1_dispatch_fused" in role1 and "ld.acquire.sys" in role1 and "ld.global.cg.v4" in role1
+  assert "gcmoe_role1_dispatch_fused" in role1 and "ld.acquire.sys" in role1 and "ld.global.cg.u32" in role1
   # Expert-granular publish: the arrivals' acq_rel adds (the completing one publishes), no CTA counting itself done
   # for a grid-wide wait.
   assert "atom.acq_rel.gpu.global.add.u32" in role1 and "red.release.gpu.global.add" not in role1
@@ -475,12 +476,13 @@ def test_fused_roles_synchronise_at_system_scope(cache):
 
 @needs_dsl
 def test_fused_role1_pulls_rows_in_batches_over_several_ctas_per_sm(cache):
-  """Role 1 of the fused transport issues a lane's 16-byte peer loads of a row before their stores (the
-  register-batched pull path; a row of H = 512 is 4 chunks per lane, so all 4 in flight) and is built for
-  `ROLE1_FUSED_CTAS_PER_SM` CTAs per dispatch SM; the local variant's role 1 keeps one."""
+  """Where the pull engine does not apply (H = 640: its H / 32 scale bytes are no multiple of 16 B), role 1 of the
+  fused transport issues a lane's 16-byte peer loads of a row before their stores (the register-batched pull path;
+  a row of H = 640 is 4 chunks per lane, all in flight) and is built for `ROLE1_FUSED_CTAS_PER_SM` CTAs per dispatch
+  SM; the local variant's role 1 keeps one."""
   from gcmoe_jax.kernels import roles_v2
 
-  meta = build.compile_variant("sm_90a", Variant(512, 256, 4, 4, 16, ranks=2), cache_dir=cache)
+  meta = build.compile_variant("sm_90a", Variant(640, 256, 4, 4, 16, ranks=2), cache_dir=cache)
   ptx = _ptx(meta, 1)
   run = best = 0
   for line in ptx.splitlines():
@@ -490,6 +492,7 @@ def test_fused_role1_pulls_rows_in_batches_over_several_ctas_per_sm(cache):
     elif "st.global.v4" in line:
       run = 0
   assert best >= 4, f"at most {best} 16-byte peer loads in flight before a store"
+  assert "cp.async.bulk" not in ptx
   assert f".minnctapersm {roles_v2.ROLE1_FUSED_CTAS_PER_SM}" in ptx
   role1 = meta["roles"][0]
   assert role1["ctas_per_sm"] == roles_v2.ROLE1_FUSED_CTAS_PER_SM and role1["spill_bytes"] == 0
@@ -497,6 +500,32 @@ def test_fused_role1_pulls_rows_in_batches_over_several_ctas_per_sm(cache):
   assert built.dispatch_grid(8) == 8 * roles_v2.ROLE1_FUSED_CTAS_PER_SM
   local = build.compile_variant("sm_90a", SMALL, cache_dir=cache)
   assert local["roles"][0]["ctas_per_sm"] == 1
+
+
+@needs_dsl
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_120a"])
+def test_fused_role1_pull_engine_posts_bulk_copies_into_two_slots_per_warp(cache, arch):
+  """The pull engine (paper §4.5): lane 0 posts a row's E4M3 codes and scale bytes as two bulk copies completing on
+  its slot's mbarrier, two slots per warp (16 slots of H + H / 32 bytes after the 1 KB decode table); phase 0
+  writes the codes (``xq``). The GLM5.2 shape's slots fit two CTAs per SM on Hopper (101 KB each) and one on
+  SM120's 100 KB; no spills."""
+  from gcmoe_jax.kernels import roles_v2
+
+  meta = build.compile_variant(arch, Variant(512, 256, 4, 4, 16, ranks=2), cache_dir=cache)
+  role1 = _ptx(meta, 1)
+  assert role1.count("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes") == 2
+  assert "mbarrier.try_wait.parity" in role1 and "fence.proxy.async.global" in role1
+  r1 = meta["roles"][0]
+  assert r1["spill_bytes"] == 0 and r1["ctas_per_sm"] == roles_v2.ROLE1_FUSED_CTAS_PER_SM
+  kernels = roles_v2.RoleKernelsV2(Variant(512, 256, 4, 4, 16, ranks=2), arch)
+  assert kernels.engine and r1["dynamic_smem"] == kernels.slots + 16 * (512 + 16) and kernels.slots % 1024 == 0
+  glm = roles_v2.RoleKernelsV2(Variant(6144, 2048, 32, 8, 16, ranks=2), arch)
+  dsv = roles_v2.RoleKernelsV2(Variant(5120, 2304, 48, 6, 16, ranks=2), arch)
+  if arch == "sm_90a":
+    assert glm.engine and glm.role1_smem > 100 * 1024 and glm.ctas_per_sm(1) == 2 and dsv.ctas_per_sm(1) == 2
+  else:  # 16 slots of H + H / 32 bytes: DSV4.1-Flash's fit one CTA, GLM5.2's (101 KB) do not fit SM120's 99 KB
+    assert dsv.engine and dsv.ctas_per_sm(1) == 1 and not glm.engine and glm.ctas_per_sm(1) == 2
+  assert not roles_v2.RoleKernelsV2(Variant(640, 256, 4, 4, 16, ranks=2), arch).engine
 
 
 @needs_dsl

@@ -148,9 +148,9 @@ def _register(arch: str, variant: build.Variant, dispatch_sms: int, compute_sms:
   ablation = _config.get("GCMOE_ABLATION")
   if ablation:
     # A timing build (docs/kernels_v2.md) must never pass for the operator: say so at every variant it serves.
-    warnings.warn(f"GCMOE_ABLATION={ablation}: role 2 of {variant.key} is built with a part left out or changed "
-                  f"for timing; its results may be WRONG (unset GCMOE_ABLATION for real runs)", RuntimeWarning,
-                  stacklevel=2)
+    warnings.warn(f"GCMOE_ABLATION={ablation}: the role kernels of {variant.key} are built with a part left out or "
+                  f"changed for timing; its results may be WRONG (unset GCMOE_ABLATION for real runs)",
+                  RuntimeWarning, stacklevel=2)
   built = build.load_or_build(arch, variant)
   ws = variant.workspace()
   key = f"{build.cache_key(arch, variant)}:d{dispatch_sms}:c{compute_sms}:t{timeout_ns}"

@@ -75,6 +75,10 @@ HEADER = {
 }
 MAX_RANKS = 16
 # Words of the header that role 3 copies to ``host_mirror`` when ``error_flag`` is set: error_flag .. error_observed.
+# error_flag while the first fault's thread writes the record (then 1), and how long role 3 waits for it to finish
+# before it mirrors the record anyway.
+FAULT_WRITING = 2
+FAULT_WRITE_NS = 1_000_000
 MIRROR_WORDS = ("error_flag", "error_role", "error_block", "error_epoch", "error_counter", "error_observed")
 HEADER_BYTES = 256
 PLANES = 3  # signed 6-bit digit planes of an E4M3 value times 512 (|512 v| <= 229,376 < 2**18)
@@ -88,9 +92,8 @@ SHX_BYTES, SHX_VALUES = 128, 64  # `Workspace.shx`: one block's exchange, and wh
 FAST_EXP = (-63, 35)  # e - 10 of every block of a row in this range (and no NaN): the row may take the fast path
 # error_counter of a role-2 wait, by what was awaited (low bits: the expert id where there is one).
 WAIT_READY, WAIT_GEMM1, WAIT_XQ, WAIT_SHARED = 0, 0x10000, 0x20000, 0x30000
-# Waits of the fused transport: a peer's published call (+ the peer's rank; role 1), every CTA's received rows
-# (role 1 before it published per expert, session 24: no kernel waits for it now, the runtime still names it), and
-# this rank's returned rows (role 3).
+# Waits of the fused transport: a peer's published call (+ the peer's rank; role 1), a peer row's bulk copy (+ the
+# peer's rank; role 1's pull engine), and this rank's returned rows (role 3).
 WAIT_PEER, WAIT_RECEIVED, WAIT_RETURNS = 0x40000, 0x50000, 0x60000
 WAIT_RELAY = 0x70000  # a relay copier (role 2) waited for experts' GEMM2 items (observed: experts left)
 WAIT_PIPE = 0x80000  # role 2's K loop waited for a stage's copies or readers (observed: the K128 block)
@@ -186,6 +189,10 @@ class Workspace:
   # The direct scan (B <= 2): block 0 polls the peers and opens this gate (word 0: the epoch) with their T (words
   # 1..R; -1: that peer's wait failed), so the other role-1 CTAs spin on local memory.
   rgate: int  # i32 [1 + R]
+  # x's E4M3 codes, a row of H bytes per token, written by role 2's first phase with ``xsf``: role 1's pull engine
+  # copies a row's codes and scale bytes (H + H / 32 bytes, not the 3 H + H / 8 of its digit planes and exponent
+  # words) and makes the planes, exponent words and flag on the receiving side.
+  xq: int  # u8 [capacity, H]
   # The relay return path: GEMM2 rows parked position-major (global assignment g k + j) for the copier CTAs.
   relay_arena: int  # bf16 [R capacity * k, H]
   total: int  # bytes
@@ -316,6 +323,7 @@ def workspace_layout(experts: int, capacity: int, top_k: int, hidden: int, share
                      ("grw", 4 * capacity * ranks * top_k if fused else 0),
                      ("rtags", _align4(capacity * ranks * top_k) if fused else 0),
                      ("rgate", 4 * (1 + ranks) if fused else 0),
+                     ("xq", capacity * hidden if fused else 0),
                      ("relay_arena", 2 * capacity * ranks * top_k * hidden if relay else 0)):
     sections[name] = off
     off = _align(off + size)

@@ -425,15 +425,18 @@ def _st_bf16(addr, bits) -> None:
 @cute.jit
 def _record_fault(wsb: Int64, role: cutlass.Constexpr, block: Int32, epoch: Int32, counter: Int32,
                   observed: Int32) -> None:
-  """The error record of `abi.HEADER`, written once: the first fault wins the CAS on ``error_flag``."""
-  old = cute.arch.atomic_cas(_gptr(wsb + abi.HEADER["error_flag"]), cmp=Int32(0), val=Int32(1), sem="relaxed",
-                             scope="gpu")
+  """The error record of `abi.HEADER`, written once: the first fault wins the CAS of ``error_flag`` from 0 to
+  `abi.FAULT_WRITING`, writes the record and then stores 1 (release), so `_mirror_fault` never copies a record
+  half written (every nonzero flag is a fault to the waits)."""
+  old = cute.arch.atomic_cas(_gptr(wsb + abi.HEADER["error_flag"]), cmp=Int32(0), val=Int32(abi.FAULT_WRITING),
+                             sem="relaxed", scope="gpu")
   if old == 0:
     _st(wsb + abi.HEADER["error_role"], role)
     _st(wsb + abi.HEADER["error_block"], block)
     _st(wsb + abi.HEADER["error_epoch"], epoch)
     _st(wsb + abi.HEADER["error_counter"], counter)
     _st(wsb + abi.HEADER["error_observed"], observed)
+    cute.arch.store(_gptr(wsb + abi.HEADER["error_flag"]), Int32(1), sem="release", scope="gpu")
 
 
 @cute.jit
@@ -442,6 +445,15 @@ def _mirror_fault(wsb: Int64) -> None:
   system scope), so the host reads a complete record without synchronising and the graph needs no copy node."""
   host = _ld(wsb + abi.HEADER["host_mirror"], Int64)
   if host != 0:
+    # The record may be another CTA's, still being written (`_record_fault`): wait (bounded: a few stores away)
+    # until its flag says complete. Without this, role 3 once mirrored a record with only its last word written.
+    flag = _gptr(wsb + abi.HEADER["error_flag"])
+    start = cute.arch.globaltimer()
+    seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
+    elapsed = cutlass.Uint64(0)
+    while (seen == abi.FAULT_WRITING) & (elapsed < abi.FAULT_WRITE_NS):
+      seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
+      elapsed = cutlass.Uint64(cute.arch.globaltimer() - start)
     for name in abi.MIRROR_WORDS[1:]:
       cute.arch.store(_gptr(host + abi.HEADER[name]), _ld(wsb + abi.HEADER[name]), sem="relaxed", scope="sys")
     cute.arch.store(_gptr(host + abi.HEADER["error_flag"]), Int32(1), sem="release", scope="sys")

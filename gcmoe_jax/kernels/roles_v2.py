@@ -111,6 +111,9 @@ CTRL_BYTES = 1024
 # peer row (the paper's register-batched pull path, 4 chunks there), and the batch size up to which only block 0
 # polls the peers (the direct scan of B <= 2).
 ROLE1_FUSED_CTAS_PER_SM = 2
+# The pull engine (paper §4.5, `RoleKernelsV2._post` / `_drain`): two SMEM slots per warp, each one row's E4M3 codes
+# and scale bytes (H + H / 32 bytes), so a warp has its next row's bulk copy in flight while it drains the last.
+PULL_SLOTS = 2
 PULL_DEPTH = 12
 DIRECT_SCAN_TOKENS = 2
 CTL_CLAIM = 8  # the item this CTA claimed from the queue (`RoleKernelsV2._claim`)
@@ -260,6 +263,10 @@ def _sts_if(pred, addr, v) -> None:
   """st.shared.b32 where ``pred`` is non-zero (predicated, no branch)."""
   cute.arch.inline_ptx("{ .reg .pred _p; setp.ne.s32 _p, {$r0}, 0; @_p st.shared.b32 [{$r1}], {$r2}; }",
                        read_only_args=[Int32(pred), addr, v])
+
+
+def _lds_u8(addr) -> Int32:
+  return v1._ptx1("ld.shared.u8 {$w0}, [{$r0}];", addr)
 
 
 def _lds_u16(addr) -> Int32:
@@ -623,6 +630,29 @@ def _red_release_add(addr, v) -> None:
 # ---- the fused transport's peer accesses (system scope: a peer may be another GPU) ---------------------------------
 
 
+def _e4m3_n(code) -> Int32:
+  """512 x the E4M3 value of byte ``code`` (an integer: the smallest subnormal is 2**-9), NaN codes aside (phase 0
+  never writes one: a non-finite element quantizes to 0 and flags its block)."""
+  ex = (code >> 3) & 15
+  m = code & 7
+  mag = cutlass.select_(ex == 0, m, (m | 8) << cutlass.max(ex - 1, 0))
+  return cutlass.select_((code & 0x80) != 0, -mag, mag)
+
+
+def _plane_entry(code) -> Int32:
+  """The pull engine's decode table word for E4M3 byte ``code``: bytes 0-2 the digit planes 0-2 (`abi.PLANES`) of
+  512 x its value, as phase 0 writes them (`_sign_digits`), byte 3 zero."""
+  d = _sign_digits(_e4m3_n(code), PLANES)
+  return (d[0] & 0xFF) | ((d[1] & 0xFF) << 8) | ((d[2] & 0xFF) << 16)
+
+
+def _fence_async_global() -> None:
+  """Orders this thread's earlier acquires (a peer's published row) before its later async-proxy reads (bulk copies)
+  of global memory."""
+  cute.arch.inline_ptx("fence.proxy.async.global;", read_only_args=[])
+
+
+
 def _peer(wsb, p) -> Int64:
   """Rank ``p``'s workspace base address, from this workspace's peer table (written before the first replay)."""
   return v1._ld(wsb + abi.HEADER["peers"] + Int64(p) * 8, Int64)
@@ -743,10 +773,31 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # Role 2's queue order (`abi.item_order`): the shared expert's items first at up to 32 tokens, else the routed.
     self.item_order = abi.item_order(v.capacity, self.ablation)
     self.rcap = v.capacity * v.ranks
-    # Role 1 of the fused transport: the peers' T at 16 + 4 p, this CTA's row claims per local expert from 128.
+    # Role 1 of the fused transport: the peers' T at 16 + 4 p, this CTA's row claims per local expert from 128;
+    # with the pull engine each warp's two mbarriers, the 1 KB decode table (`_plane_entry`, 1024-aligned for
+    # `_e4m3_digits`) and the warps' slots.
     self.claimed = 128
     self.role1_smem = (self.claimed + 4 * v.experts + 127) // 128 * 128 if self.fused else 0
+    self.role1_ctas = ROLE1_FUSED_CTAS_PER_SM if self.fused else 1
+    self.engine = False
     if self.fused:
+      self.mbars = self.role1_smem
+      self.digit_tab = -(-(self.mbars + 8 * PULL_SLOTS * WARPS) // 1024) * 1024
+      self.slots = self.digit_tab + 1024
+      self.slot_bytes = v.hidden + v.hidden // v1.K32
+      engine_smem = self.slots + PULL_SLOTS * WARPS * self.slot_bytes
+      # The engine where its slots fit the dispatch SMs at two CTAs per SM, else at one (the paper's condition on
+      # S_role1), else the register-batched pulls (`_pull_row`); H a multiple of 512 keeps every bulk copy's size
+      # and address 16-byte aligned. `GCMOE_ABLATION=regpull`: the register-batched pulls, for A/B timing (exact).
+      dev = geometry.RTX_PRO_5000 if self.qmma else geometry.H100
+      for ctas in (ROLE1_FUSED_CTAS_PER_SM, 1):
+        fits = (engine_smem <= dev.smem_per_block
+                and ctas * (engine_smem + dev.reserved_smem_per_block) <= dev.smem_per_sm)
+        if fits and v.hidden % 512 == 0 and self.ablation != "regpull" and THREADS == 256:
+          self.engine = True
+          self.role1_ctas = ctas
+          self.role1_smem = engine_smem
+          break
       self.arrive = abi.arrivals(v.experts, v.capacity, v.shared, v.relay)
       if self.rcap * v.top_k >= abi.ARRIVAL_CTA:
         raise ValueError(f"roles_v2: {variant.key}: R C k = {self.rcap * v.top_k} rows per expert must stay below "
@@ -801,7 +852,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   def ctas_per_sm(self, role: int) -> int:
     """CTAs of role ``role`` the kernel is built to co-schedule per SM (its grid is that times the compute SMs)."""
     if role == 1:
-      return ROLE1_FUSED_CTAS_PER_SM if self.fused else 1
+      return self.role1_ctas
     return self.ctas if role == 2 else 1
 
   @cute.jit
@@ -858,7 +909,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     grid, _, _ = cute.arch.grid_dim()
     warp = tid // 32
     lane = tid % 32
-    smem = cute.arch.get_dyn_smem(Int32, alignment=128).toint()
+    smem = cute.arch.get_dyn_smem(Int32, alignment=1024).toint()
     claimed = smem + self.claimed  # u32 per local expert: the rows this CTA claimed
     ranks, cap, k, local = v.ranks, v.capacity, v.top_k, v.experts
     wsb = workspace.toint()
@@ -881,6 +932,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
           v1._record_fault(wsb, 1, bid, cur, eid, a)
     for e in range(tid, local, THREADS):
       _sts(claimed + e * 4, 0)
+    if cutlass.const_expr(self.engine):
+      _sts(smem + self.digit_tab + tid * 4, _plane_entry(tid))  # 256 threads, 256 codes
     ok = Int32(1)
     direct = n_tok <= DIRECT_SCAN_TOKENS
     if direct & (bid != 0):
@@ -939,21 +992,133 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         add = abi.ARRIVAL_CTA - _lds(claimed + e * 4)
         if _atom_add_acq_rel(arrive + Int64(e) * v1.WORD_BYTES, add) + add == complete:
           self._publish(e, wsb, cur, counters, claim)
-      for gr in range(bid * WARPS + warp, ranks * cap * per, Int32(grid) * WARPS):
-        gt = gr // per
-        p = gt // cap
-        t = gt - p * cap
-        tag = Int32(0xFF)
-        a = gt * k + (lane if self.cache else gr - gt * k)
-        if lane < lanes:
-          tag = cutlass.select_(t < _lds(smem + 16 + p * 4), _ld_u8(wsb + ws.rtags + Int64(a)), Int32(0xFF))
-        if _warp_any(tag != 0xFF) != 0:
-          self._pull_row(wsb, _peer(wsb, p), gr, t, lane)
-          cute.arch.sync_warp()  # the warp's row stores, before each route's release
-          if tag != 0xFF:
-            cute.arch.fence_acq_rel_gpu()
-            if _atom_add_acq_rel(arrive + Int64(tag) * v1.WORD_BYTES, 1) + 1 == complete:
-              self._publish(tag, wsb, cur, counters, claim)
+      if cutlass.const_expr(self.engine):
+        # The pull engine: lane 0 posts the next row's bulk copies into one slot before the warp drains the
+        # other's, so a warp keeps a peer read in flight while it makes planes (`_post`, `_drain`).
+        slots = smem + self.slots + warp * (PULL_SLOTS * self.slot_bytes)
+        bars = smem + self.mbars + warp * (8 * PULL_SLOTS)
+        if lane == 0:
+          for b in cutlass.range_constexpr(PULL_SLOTS):
+            _mbar_init(bars + 8 * b, 1)
+          _fence_mbar_init()
+          _fence_async_global()
+        cute.arch.sync_warp()
+        phases = Int32(0)  # bit b: the parity of slot b's next completion
+        b = Int32(0)
+        pend = Int32(-1)
+        for gr in range(bid * WARPS + warp, ranks * cap * per, Int32(grid) * WARPS):
+          tag, p, t = self._route_tag(gr, lane, smem, wsb)
+          if _warp_any(tag != 0xFF) != 0:
+            if lane == 0:
+              self._post(slots + b * self.slot_bytes, bars + b * 8, _peer(wsb, p), t)
+            if pend >= 0:
+              o = 1 - b
+              self._drain(slots + o * self.slot_bytes, bars + o * 8, (phases >> o) & 1, pend, lane, smem, wsb, cur,
+                          arrive, complete, counters, claim)
+              phases = phases ^ (1 << o)
+            pend = gr
+            b = 1 - b
+        if pend >= 0:
+          o = 1 - b
+          self._drain(slots + o * self.slot_bytes, bars + o * 8, (phases >> o) & 1, pend, lane, smem, wsb, cur,
+                      arrive, complete, counters, claim)
+      else:
+        for gr in range(bid * WARPS + warp, ranks * cap * per, Int32(grid) * WARPS):
+          tag, p, t = self._route_tag(gr, lane, smem, wsb)
+          if _warp_any(tag != 0xFF) != 0:
+            self._pull_row(wsb, _peer(wsb, p), gr, t, lane)
+            cute.arch.sync_warp()  # the warp's row stores, before each route's release
+            self._arrive(tag, arrive, complete, wsb, cur, counters, claim)
+
+  @cute.jit
+  def _route_tag(self, gr: Int32, lane: Int32, smem: Int32, wsb: Int64):
+    """Role 1's pull loops: (this lane's route's local expert, or 0xFF: none or not this lane's; the source rank;
+    the source token) of global token (or, without the pull cache, route) ``gr``, from the tags the scan stored."""
+    v = self.v
+    per = 1 if self.cache else v.top_k
+    gt = gr // per
+    p = gt // v.capacity
+    t = gt - p * v.capacity
+    tag = Int32(0xFF)
+    a = gt * v.top_k + (lane if self.cache else gr - gt * v.top_k)
+    if lane < (v.top_k if self.cache else 1):
+      tag = cutlass.select_(t < _lds(smem + 16 + p * 4), _ld_u8(wsb + self.ws.rtags + Int64(a)), Int32(0xFF))
+    return tag, p, t
+
+  @cute.jit
+  def _arrive(self, tag: Int32, arrive: Int64, complete: Int32, wsb: Int64, cur: Int32, counters: Int64,
+              claim: Int64):
+    """After a warp's row landed (its stores, then a warp barrier): each lane with a local route adds 1 to its
+    expert's arrivals (acq_rel), and the one whose add completes them publishes the expert."""
+    if tag != 0xFF:
+      cute.arch.fence_acq_rel_gpu()
+      if _atom_add_acq_rel(arrive + Int64(tag) * v1.WORD_BYTES, 1) + 1 == complete:
+        self._publish(tag, wsb, cur, counters, claim)
+
+  @cute.jit
+  def _post(self, slot: Int32, bar: Int32, pb: Int64, t: Int32):
+    """Lane 0 of the pull engine: token ``t``'s E4M3 codes and scale bytes from the peer at ``pb`` into ``slot``
+    (two bulk copies completing bytes on ``bar``). The warp's last reads of the slot (its drain two rows ago) come
+    first (a warp barrier there, the async proxy fence here)."""
+    v, ws = self.v, self.ws
+    nblk = v.hidden // v1.K32
+    _fence_async_smem()
+    _mbar_arrive_tx(bar, self.slot_bytes)
+    _bulk(slot, pb + ws.xq + Int64(t) * v.hidden, v.hidden, bar)
+    _bulk(slot + v.hidden, pb + ws.xsf + Int64(t) * nblk, nblk, bar)
+
+  @cute.jit
+  def _drain(self, slot: Int32, bar: Int32, parity: Int32, gr: Int32, lane: Int32, smem: Int32, wsb: Int64,
+             cur: Int32, arrive: Int64, complete: Int32, counters: Int64, claim: Int64):
+    """The pull engine's warp, once row ``gr``'s copy landed in ``slot`` (bounded wait on ``bar``): writes received
+    row ``gr`` as phase 0 writes a local one (sm_90a: the three digit planes from the decode table, 16 codes per
+    lane and step, each plane's 16 bytes one store; the exponent words, the flag; sm_120a: the codes as plane 0),
+    the scale bytes, then counts its local routes' arrivals. An expired wait records ``WAIT_RECEIVED`` + the source
+    rank, and the row's experts never complete (role 2's waits then end on the fault)."""
+    v, ws = self.v, self.ws
+    nblk = v.hidden // v1.K32
+    tag, p, t = self._route_tag(gr, lane, smem, wsb)
+    timeout = v1._ld(wsb + abi.HEADER["timeout_ns"], cutlass.Uint64)
+    start = cute.arch.globaltimer()
+    done = _mbar_try(bar, parity)
+    elapsed = cutlass.Uint64(0)
+    while (done == 0) & (elapsed <= timeout):
+      done = _mbar_try(bar, parity)
+      elapsed = cutlass.Uint64(cute.arch.globaltimer() - start)
+    landed = 1 - _warp_any(done == 0)
+    if landed == 0:
+      if lane == 0:
+        bid, _, _ = cute.arch.block_idx()
+        v1._record_fault(wsb, abi.ROLE_TRANSPORT, bid, cur, Int32(abi.WAIT_RECEIVED) + p, t)
+    else:
+      planes = wsb + ws.rxplanes + Int64(gr) * (nblk * BLOCK_BYTES)
+      tab = smem + self.digit_tab
+      for c in range(lane, v.hidden // 16, 32):  # 16 codes: half a K32 block
+        words = [_lds(slot + c * 16 + 4 * i) for i in range(4)]
+        dst = planes + (c // 2) * BLOCK_BYTES + (c % 2) * 16
+        if cutlass.const_expr(self.qmma):
+          v1._st_v4(dst, *words)
+        else:
+          d = [_e4m3_digits(w, tab) for w in words]
+          for q in cutlass.range_constexpr(PLANES):
+            v1._st_v4(dst + 32 * q, d[0][q], d[1][q], d[2][q], d[3][q])
+      sf = slot + v.hidden
+      if cutlass.const_expr(not self.qmma):
+        slow = Int32(0)
+        for blk in range(lane, nblk, 32):
+          byte = _lds_u8(sf + blk)
+          xe = byte - v1.F32_BIAS + v1.FP4_DOT_SHIFT
+          bad = byte == 0xFF
+          v1._st(wsb + ws.rxexp + (Int64(gr) * nblk + blk) * 4,
+                 cutlass.select_(bad, Int32(abi.NAN_WORD), xe << v1.F32_MANT_BITS))
+          if bad | (xe < abi.FAST_EXP[0]) | (xe > abi.FAST_EXP[1]):
+            slow = Int32(1)
+        if (_warp_any(slow) != 0) & (lane == 0):
+          v1._st(wsb + ws.rxflag + Int64(gr) * 4, cur)
+      for w in range(lane, nblk // 4, 32):
+        v1._st(wsb + ws.rxsf + Int64(gr) * nblk + w * 4, _lds(sf + w * 4))
+      cute.arch.sync_warp()  # the warp's row stores (and its reads of the slot), before each route's release
+      self._arrive(tag, arrive, complete, wsb, cur, counters, claim)
 
   @cute.jit
   def _publish(self, e: Int32, wsb: Int64, cur: Int32, counters: Int64, claim: Int64):
@@ -1071,6 +1236,11 @@ class RoleKernelsV2(v1.RoleKernelsV1):
                                       wsb + ws.xsf + Int64(q), cur)
       if cutlass.const_expr(v.shared):
         self._store_digits(n, e, bad, lane, wsb + ws.sxp + Int64(q) * SH_BLOCK, wsb + ws.sxe + Int64(q) * 4)
+      if cutlass.const_expr(self.engine):  # the row as the peers' pull engines copy it (`abi.Workspace.xq`)
+        _st_u8(wsb + ws.xq + Int64(q) * v1.K32 + lane, _e4m3_code(n))
+        if cutlass.const_expr(not self.qmma):  # (the sm_120a seam stored the scale byte already)
+          if lane == 0:
+            _st_u8(wsb + ws.xsf + Int64(q), cutlass.select_(bad != 0, Int32(0xFF), e + v1.F32_BIAS))
     if cutlass.const_expr(self.fused):
       # This call's routes and T for the peers' role 1, by parity (a peer may still read the previous call's).
       pub = Int64(par) * (v.capacity * v.top_k)
