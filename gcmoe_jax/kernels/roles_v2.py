@@ -141,7 +141,7 @@ assert CTL_FILL + 4 <= CTRL_BYTES
 # A stage starts 1024-aligned: TMA's 64-byte swizzle is a function of the SMEM address bits 7-8, so the tile lands
 # in the layout `_weight_words` reads (16 B chunk c of row r at c ^ ((r >> 1) & 3)) only from a 512-aligned base.
 STAGE_ALIGN = 1024
-STATIC_SMEM = 1024  # role 2's static SMEM as the DSL emits it (the build reports it; `build-kernels --report`)
+STATIC_SMEM = 1024  # a role kernel's static SMEM as the DSL emits it (the build reports it; `build-kernels --report`)
 PIPE_STAGES = (4, 6)  # stages that fit the pipeline area at the widest pass: 1 CTA per SM, 2 CTAs per SM
 
 # The fast path needs n + 127 in [1, 226] for every element: 2**n normal, f32(D) * 2**n exact and finite. It is
@@ -791,8 +791,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       # and address 16-byte aligned. `GCMOE_ABLATION=regpull`: the register-batched pulls, for A/B timing (exact).
       dev = geometry.RTX_PRO_5000 if self.qmma else geometry.H100
       for ctas in (ROLE1_FUSED_CTAS_PER_SM, 1):
-        fits = (engine_smem <= dev.smem_per_block
-                and ctas * (engine_smem + dev.reserved_smem_per_block) <= dev.smem_per_sm)
+        fits = (engine_smem + STATIC_SMEM <= dev.smem_per_block
+                and ctas * (engine_smem + STATIC_SMEM + dev.reserved_smem_per_block) <= dev.smem_per_sm)
         if fits and v.hidden % 512 == 0 and self.ablation != "regpull" and THREADS == 256:
           self.engine = True
           self.role1_ctas = ctas
@@ -1003,25 +1003,38 @@ class RoleKernelsV2(v1.RoleKernelsV1):
           _fence_mbar_init()
           _fence_async_global()
         cute.arch.sync_warp()
-        phases = Int32(0)  # bit b: the parity of slot b's next completion
+        phases = Int32(0)  # bit s: the parity of slot s's next completion
+        armed = Int32(0)  # bit s: slot s holds a posted copy not yet seen landed
+        dead = Int32(0)  # a wait expired (recorded): post and drain nothing more
         b = Int32(0)
         pend = Int32(-1)
         for gr in range(bid * WARPS + warp, ranks * cap * per, Int32(grid) * WARPS):
-          tag, p, t = self._route_tag(gr, lane, smem, wsb)
-          if _warp_any(tag != 0xFF) != 0:
-            if lane == 0:
-              self._post(slots + b * self.slot_bytes, bars + b * 8, _peer(wsb, p), t)
-            if pend >= 0:
-              o = 1 - b
-              self._drain(slots + o * self.slot_bytes, bars + o * 8, (phases >> o) & 1, pend, lane, smem, wsb, cur,
-                          arrive, complete, counters, claim)
-              phases = phases ^ (1 << o)
-            pend = gr
-            b = 1 - b
-        if pend >= 0:
+          if dead == 0:
+            tag, p, t = self._route_tag(gr, lane, smem, wsb)
+            if _warp_any(tag != 0xFF) != 0:
+              if lane == 0:
+                self._post(slots + b * self.slot_bytes, bars + b * 8, _peer(wsb, p), t)
+              armed = armed ^ (1 << b)
+              if pend >= 0:
+                o = 1 - b
+                if self._drain(slots + o * self.slot_bytes, bars + o * 8, (phases >> o) & 1, pend, lane, smem, wsb,
+                               cur, arrive, complete, counters, claim) != 0:
+                  phases = phases ^ (1 << o)
+                  armed = armed ^ (1 << o)
+                else:
+                  dead = Int32(1)
+              pend = gr
+              b = 1 - b
+        if (pend >= 0) & (dead == 0):
           o = 1 - b
-          self._drain(slots + o * self.slot_bytes, bars + o * 8, (phases >> o) & 1, pend, lane, smem, wsb, cur,
-                      arrive, complete, counters, claim)
+          if self._drain(slots + o * self.slot_bytes, bars + o * 8, (phases >> o) & 1, pend, lane, smem, wsb, cur,
+                         arrive, complete, counters, claim) != 0:
+            armed = armed ^ (1 << o)
+        # After an expired wait a slot may still be filling (its phase never completed, so it was never re-armed):
+        # one more bounded wait per such slot, so that no bulk copy lands in SMEM after this CTA is gone.
+        for s in cutlass.range_constexpr(PULL_SLOTS):
+          if (armed >> s) & 1 != 0:
+            self._landed(bars + 8 * s, (phases >> s) & 1, wsb)
       else:
         for gr in range(bid * WARPS + warp, ranks * cap * per, Int32(grid) * WARPS):
           tag, p, t = self._route_tag(gr, lane, smem, wsb)
@@ -1068,16 +1081,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     _bulk(slot + v.hidden, pb + ws.xsf + Int64(t) * nblk, nblk, bar)
 
   @cute.jit
-  def _drain(self, slot: Int32, bar: Int32, parity: Int32, gr: Int32, lane: Int32, smem: Int32, wsb: Int64,
-             cur: Int32, arrive: Int64, complete: Int32, counters: Int64, claim: Int64):
-    """The pull engine's warp, once row ``gr``'s copy landed in ``slot`` (bounded wait on ``bar``): writes received
-    row ``gr`` as phase 0 writes a local one (sm_90a: the three digit planes from the decode table, 16 codes per
-    lane and step, each plane's 16 bytes one store; the exponent words, the flag; sm_120a: the codes as plane 0),
-    the scale bytes, then counts its local routes' arrivals. An expired wait records ``WAIT_RECEIVED`` + the source
-    rank, and the row's experts never complete (role 2's waits then end on the fault)."""
-    v, ws = self.v, self.ws
-    nblk = v.hidden // v1.K32
-    tag, p, t = self._route_tag(gr, lane, smem, wsb)
+  def _landed(self, bar: Int32, parity: Int32, wsb: Int64) -> Int32:
+    """Every lane of a warp: bounded wait (``header.timeout_ns``) for the phase ``parity`` of the mbarrier at
+    ``bar``; 1 on every lane if it completed, else 0."""
     timeout = v1._ld(wsb + abi.HEADER["timeout_ns"], cutlass.Uint64)
     start = cute.arch.globaltimer()
     done = _mbar_try(bar, parity)
@@ -1085,7 +1091,21 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     while (done == 0) & (elapsed <= timeout):
       done = _mbar_try(bar, parity)
       elapsed = cutlass.Uint64(cute.arch.globaltimer() - start)
-    landed = 1 - _warp_any(done == 0)
+    return 1 - _warp_any(done == 0)
+
+  @cute.jit
+  def _drain(self, slot: Int32, bar: Int32, parity: Int32, gr: Int32, lane: Int32, smem: Int32, wsb: Int64,
+             cur: Int32, arrive: Int64, complete: Int32, counters: Int64, claim: Int64) -> Int32:
+    """The pull engine's warp, once row ``gr``'s copy landed in ``slot`` (`_landed` on ``bar``): writes received
+    row ``gr`` as phase 0 writes a local one (sm_90a: the three digit planes from the decode table, 16 codes per
+    lane and step, each plane's 16 bytes one store; the exponent words, the flag; sm_120a: the codes as plane 0),
+    the scale bytes, then counts its local routes' arrivals; 1 if the row landed. An expired wait records
+    ``WAIT_RECEIVED`` + the source rank and returns 0, and the row's experts never complete (role 2's waits then
+    end on the fault)."""
+    v, ws = self.v, self.ws
+    nblk = v.hidden // v1.K32
+    tag, p, t = self._route_tag(gr, lane, smem, wsb)
+    landed = self._landed(bar, parity, wsb)
     if landed == 0:
       if lane == 0:
         bid, _, _ = cute.arch.block_idx()
@@ -1119,6 +1139,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         v1._st(wsb + ws.rxsf + Int64(gr) * nblk + w * 4, _lds(sf + w * 4))
       cute.arch.sync_warp()  # the warp's row stores (and its reads of the slot), before each route's release
       self._arrive(tag, arrive, complete, wsb, cur, counters, claim)
+    return landed
 
   @cute.jit
   def _publish(self, e: Int32, wsb: Int64, cur: Int32, counters: Int64, claim: Int64):
@@ -2348,6 +2369,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         _sts(prod + 28, self.w_bytes + cutlass.min(count - n0, Int32(slots)) *
              (4 * 32 if self.qmma else 4 * BLOCK_BYTES + 16))
       cute.arch.sync_warp()
+      # The item's B rows were written by generic stores (phase 0, role 1, the GEMM1 epilogue) that its wait
+      # acquired; the bulk copies read them through the async proxy.
+      _fence_async_global()
       for s in cutlass.range_constexpr(n_st - 1):
         if s < kb_n:
           self._produce(s, pipe + s * st_bytes, bars + 8 * s, slots, tmap, n_rows, kb_n, nblk, ctl)
