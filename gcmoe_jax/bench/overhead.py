@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--calls", type=int, default=200)
   args = p.parse_args(argv)
   r = measure(args.cubins, args.calls)
-  print(f"runtime cost per layer (3-node green-context graph, trivial bodies, a chain of {args.calls} calls in one jit): "
-        f"{r['graph']:.2f} us; a plain XLA op in the same loop: {r['xla_op']:.2f} us; "
+  print(f"runtime cost per layer (3-node green-context graph, trivial bodies, a chain of {args.calls} calls in "
+        f"one jit): {r['graph']:.2f} us; a plain XLA op in the same loop: {r['xla_op']:.2f} us; "
         f"difference {r['graph'] - r['xla_op']:.2f} us")
   return 0
 

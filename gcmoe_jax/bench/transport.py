@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--ranks", type=int, default=None, help="mesh size (default: every device)")
   args = p.parse_args(argv)
   ranks = args.ranks or len(jax.devices())
-  print(f"{ranks} x {jax.devices()[0].device_kind}; GLM5.2 per rank (H 6144, k 8, L 32); the expert op returns its rows")
+  print(f"{ranks} x {jax.devices()[0].device_kind}; GLM5.2 per rank (H 6144, k 8, L 32); "
+        "the expert op returns its rows")
   print("| B per rank | collective (all_to_all) us | ragged (ragged_all_to_all) us | ragged / collective |")
   print("| --- | --- | --- | --- |")
   for b in (int(v) for v in args.batch.split(",")):

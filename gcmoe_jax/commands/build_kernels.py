@@ -70,8 +70,9 @@ def _preset_fused() -> list[tuple[int, ...]]:
   """tests/test_fused.py's virtual ranks (the fused transport on one GPU, issue 9): the small shape's E = 8 global
   experts over R = 2 and 4 ranks (L = 4, 2) at k = 1, 4, 8 (the case families' k), 16 tokens per rank, direct and
   relay returns, with a shared expert at R = 2; the ep_worker's shape over two processes (L = 8, k = 4, 4 tokens
-  per rank); H = 640, where role 1 pulls without its engine (`roles_v2.RoleKernelsV2.engine`); and both paper models' per-rank shapes (L = E / 8: 32 and 48
-  local experts) at R = 2, i.e. the models scaled to 2 L global experts, direct and relay."""
+  per rank); H = 640, where role 1 pulls without its engine (`roles_v2.RoleKernelsV2.engine`); and both paper
+  models' per-rank shapes (L = E / 8: 32 and 48 local experts) at R = 2, i.e. the models scaled to 2 L global
+  experts, direct and relay."""
   small = [(512, 256, 8 // r, k, 16, None, None, r, relay) for r in (2, 4) for k in (1, 4, 8)
            for relay in (False, True)]
   small.append((512, 256, 4, 4, 16, 256, 128, 2))

@@ -434,8 +434,8 @@ def debug_peer_probe(ranks: int, dispatch_sms: int, compute_sms: int, cubin: byt
   partition = np.zeros((ranks, 2), np.int32)
   error = ctypes.create_string_buffer(1024)
   rc = fn(device, ranks, dispatch_sms, compute_sms, cubin, int(timeout_ms) * 1_000_000,
-          seen.ctypes.data_as(ctypes.POINTER(ctypes.c_uint32)), partition.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
-          error, len(error))
+          seen.ctypes.data_as(ctypes.POINTER(ctypes.c_uint32)),
+          partition.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), error, len(error))
   if rc != 0:
     raise RuntimeError(f"gcmoe_jax: the virtual-rank probe failed: {error.value.decode()}")
   return seen, partition
