@@ -545,6 +545,14 @@ def test_connect_processes_hands_every_rank_its_peers_handles_in_rank_order(monk
   with pytest.raises(ValueError, match=r"needs an exchange of their workspace handles .* got exchange=None"):
     run(0, None, key="another-variant")
 
+  def timing_out(name, payload):
+    raise TimeoutError(f"exchange: process 1 did not publish {name!r} within 5 ms")
+
+  fresh()
+  with pytest.raises(TimeoutError, match=r"process 1 did not publish 'variant\.g2\.0' .* names the exchange by the "
+                     r"kernel variant, here 'variant\.g2': .* GCMOE_ABLATION"):
+    run(0, timing_out)
+
 
 def test_release_waits_meets_the_other_processes_then_retires_and_reconnects_later(monkeypatch):
   """`_cuda.release_processes` (the collective `gm.release_fused_workspaces`): the library waits for this process's

@@ -255,6 +255,7 @@ def connect_processes(key: str, name: str, peer_groups: tuple[tuple[int, ...], .
 
   Raises:
     ValueError: without an ``exchange``.
+    TimeoutError: from ``exchange``, with the variant's name (a process that built another variant never meets).
     RuntimeError: a process sent no handle for a rank it holds, or the driver refused to map one.
   """
   with _connect_lock:
@@ -272,7 +273,12 @@ def connect_processes(key: str, name: str, peer_groups: tuple[tuple[int, ...], .
     payload = b"".join(_RECORD.pack(g, r) + h for g, (_, r, h) in mine.items())
     n = _exchanges[name]
     _exchanges[name] += 1
-    got = exchange(f"{name}.{n}", payload)
+    try:
+      got = exchange(f"{name}.{n}", payload)
+    except TimeoutError as e:
+      raise TimeoutError(f"{e} (moe: transport='fused' names the exchange by the kernel variant, here {name!r}: a "
+                         "process that traced other shapes or runs other kernels, GCMOE_KERNELS or GCMOE_ABLATION, "
+                         "publishes under another name)") from e
     step = _RECORD.size + IPC_HANDLE_BYTES
     sent = [{_RECORD.unpack_from(p, o): p[o + _RECORD.size:o + step] for o in range(0, len(p), step)} for p in got]
     for g, (d, r, h) in mine.items():
