@@ -547,13 +547,16 @@ class RoleKernelsV1:
                      w13_scale: cute.Pointer, w2: cute.Pointer, w2_scale: cute.Pointer, s13: cute.Pointer,
                      s13_scale: cute.Pointer, s2: cute.Pointer, s2_scale: cute.Pointer, y: cute.Pointer,
                      workspace: cute.Pointer, tokens: Int32, clamp: Float32):
-    """Block 0: fault scan, then thread e builds rows[e]/count[e] in token order and publishes ready[e]."""
+    """Block 0: fault scan, then a warp per expert lists rows[e] in token order, then a thread per expert
+    publishes count[e] and ready[e] (v2: and appends the expert to the active queue, which thread 0 closes)."""
     v, ws = self.v, self.ws
     tid, _, _ = cute.arch.thread_idx()
     bid, _, _ = cute.arch.block_idx()
     wsb = workspace.toint()
     idb = ids.toint()
     n_assign = cutlass.min(cutlass.max(tokens, 0), v.capacity) * v.top_k
+    sCount = cute.make_tensor(cute.arch.alloc_smem(Int32, v.experts, alignment=16),
+                              cute.make_layout(v.experts))  # (E,) the rows listed per expert
     if bid == 0:
       cur = _ld(wsb + abi.HEADER["epoch"]) + 1
       if cutlass.const_expr(self.timeline):
@@ -583,16 +586,21 @@ class RoleKernelsV1:
           if eid == e:
             _st(rows_e + Int64(count + _popc(hits & below)) * WORD_BYTES, a)
           count = count + _popc(hits)
-        cute.arch.sync_warp()  # the lanes' rows before lane 0's fence and release
         if lane == 0:
-          _st(wsb + ws.count + Int64(e) * WORD_BYTES, count)
-          if e != stall:
-            # Release: count[e] and rows[e] are visible to whoever acquires ready[e] == cur.
-            cute.arch.fence_acq_rel_gpu()
-            cute.arch.store(_gptr(wsb + ws.ready + Int64(e) * WORD_BYTES), cur, sem="release", scope="gpu")
-            if cutlass.const_expr(self.GENERATION == "v2"):
-              if count > 0:  # v2's role 2 takes the experts hit from the active queue, as they are published
-                _queue_append(self._active_queue(wsb, cur), e)
+          sCount[e] = count
+      # Then a thread per expert publishes it, all at once: a warp publishing its experts one after another put a
+      # fence, a release and the queue's atomic per expert in a chain (role 1 took 4-10 us at B = 1).
+      cute.arch.sync_threads()  # every lane's rows and the counts, before each publishing thread's fence
+      for e in range(tid, v.experts, THREADS):
+        count = sCount[e]
+        _st(wsb + ws.count + Int64(e) * WORD_BYTES, count)
+        if e != stall:
+          # Release: count[e] and rows[e] are visible to whoever acquires ready[e] == cur.
+          cute.arch.fence_acq_rel_gpu()
+          cute.arch.store(_gptr(wsb + ws.ready + Int64(e) * WORD_BYTES), cur, sem="release", scope="gpu")
+          if cutlass.const_expr(self.GENERATION == "v2"):
+            if count > 0:  # v2's role 2 takes the experts hit from the active queue
+              _queue_append(self._active_queue(wsb, cur), e)
       if cutlass.const_expr(self.GENERATION == "v2"):
         cute.arch.sync_threads()
         if (tid == 0) & ((stall < 0) | (stall >= v.experts)):  # a withheld expert keeps the queue open
