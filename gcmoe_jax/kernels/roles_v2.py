@@ -630,6 +630,14 @@ def _red_release_add(addr, v) -> None:
 # ---- the fused transport's peer accesses (system scope: a peer may be another GPU) ---------------------------------
 
 
+def _exp_word(xe, bad):
+  """A block's exponent word (``xe`` = its UE8M0 exponent + `roles_v1.FP4_DOT_SHIFT` as the bits of 2**xe;
+  `abi.NAN_WORD` for a NaN block) and whether it sends its row to the slow path (NaN, or ``xe`` outside
+  `abi.FAST_EXP`): phase 0's rule, which the pull engine's receiving side repeats."""
+  word = cutlass.select_(bad, Int32(abi.NAN_WORD), xe << v1.F32_MANT_BITS)
+  return word, bad | (xe < abi.FAST_EXP[0]) | (xe > abi.FAST_EXP[1])
+
+
 def _e4m3_n(code) -> Int32:
   """512 x the E4M3 value of byte ``code`` (an integer: the smallest subnormal is 2**-9), NaN codes aside (phase 0
   never writes one: a non-finite element quantizes to 0 and flags its block)."""
@@ -650,7 +658,6 @@ def _fence_async_global() -> None:
   """Orders this thread's earlier acquires (a peer's published row) before its later async-proxy reads (bulk copies)
   of global memory."""
   cute.arch.inline_ptx("fence.proxy.async.global;", read_only_args=[])
-
 
 
 def _peer(wsb, p) -> Int64:
@@ -1127,11 +1134,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         slow = Int32(0)
         for blk in range(lane, nblk, 32):
           byte = _lds_u8(sf + blk)
-          xe = byte - v1.F32_BIAS + v1.FP4_DOT_SHIFT
-          bad = byte == 0xFF
-          v1._st(wsb + ws.rxexp + (Int64(gr) * nblk + blk) * 4,
-                 cutlass.select_(bad, Int32(abi.NAN_WORD), xe << v1.F32_MANT_BITS))
-          if bad | (xe < abi.FAST_EXP[0]) | (xe > abi.FAST_EXP[1]):
+          word, block_slow = _exp_word(byte - v1.F32_BIAS + v1.FP4_DOT_SHIFT, byte == 0xFF)
+          v1._st(wsb + ws.rxexp + (Int64(gr) * nblk + blk) * 4, word)
+          if block_slow:
             slow = Int32(1)
         if (_warp_any(slow) != 0) & (lane == 0):
           v1._st(wsb + ws.rxflag + Int64(gr) * 4, cur)
@@ -2048,9 +2053,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         _st_u8(planes + 32 * p + lane, d)
     if cutlass.const_expr(not self.qmma):  # the sm_120a seam reads neither the exponent word nor the flag
       if lane == 0:
-        xe = e + v1.FP4_DOT_SHIFT
-        v1._st(exp_addr, cutlass.select_(bad != 0, Int32(abi.NAN_WORD), xe << v1.F32_MANT_BITS))
-        if (bad != 0) | (xe < abi.FAST_EXP[0]) | (xe > abi.FAST_EXP[1]):
+        word, slow = _exp_word(e + v1.FP4_DOT_SHIFT, bad != 0)
+        v1._st(exp_addr, word)
+        if slow:
           v1._st(flag_addr, cur)
     return n, e, bad
 
