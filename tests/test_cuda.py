@@ -92,10 +92,11 @@ def test_the_shared_experts_wide_token_groups_and_their_tails_match_the_oracle(g
 
 
 @pytest.mark.parametrize("group", [32, 128])
-def test_the_shared_experts_one_token_groups_match_the_oracle_on_every_case_family(group):
-  """T = 1 and 9 (groups of 1, and 8 + 1): the one-token body (`roles_v2._sh_one_row`, the token's digit planes in
-  the columns of one n-tile) on every case family, and with the last token scaled by 2**-110 (block exponents past
-  `SH_FAST_EXP`: the two-multiplication path) or holding a NaN, bit for bit where the oracle is finite."""
+def test_the_shared_experts_one_and_two_token_groups_match_the_oracle_on_every_case_family(group):
+  """T = 1, 2, 9 and 10 (groups of 1 and 2, and 8 + 1, 8 + 2): the halves' body (`roles_v2._sh_two_rows`, the
+  tokens' digit planes in the columns of two n-tiles) on every case family, and with the last token scaled by
+  2**-110 (block exponents past `SH_FAST_EXP`: the two-multiplication path) or holding a NaN, bit for bit where the
+  oracle is finite."""
 
   def check(name, x, w, r, clamp):
     y = np.asarray(gm.moe(x, w, r, clamp=clamp, backend="cuda"), np.float32)
@@ -105,7 +106,7 @@ def test_the_shared_experts_one_token_groups_match_the_oracle_on_every_case_fami
     np.testing.assert_array_equal(y[ok].view(np.uint32), want[ok].view(np.uint32), err_msg=name)
 
   for family in CASE_FAMILIES:
-    for tokens in (1, 9):
+    for tokens in (1, 2, 9, 10):
       shape = dataclasses.replace(SMALL, tokens=tokens, shared_intermediate=256, shared_group=group)
       p = make_problem(family, shape, seed=50 + tokens)
       x, w, r = quantized(p)
@@ -116,30 +117,31 @@ def test_the_shared_experts_one_token_groups_match_the_oracle_on_every_case_fami
         check(f"shared g{group} NaN last token T={tokens}", x.at[-1, 7].set(jnp.nan), w, r, p.shape.clamp)
 
 
-def test_a_one_token_groups_gemm1_halves_meet_in_their_exchange():
-  """A group of one token takes each shared GEMM1 column block in two items of 32 W13 rows, which meet in the block's
-  exchange (`abi.Workspace.shx`, `roles_v2._shared_gemm1`): after a T = 1 call the output is the oracle's bit for bit
-  and every block's tag is that call's epoch (both halves swapped it in). H = 640 leaves the halves' last K step one
-  K128 tile of the four a step holds."""
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_a_small_groups_gemm1_halves_meet_in_their_exchange(tokens):
+  """A group of one or two tokens takes each shared GEMM1 column block in two items of 32 W13 rows, which meet in the
+  block's exchange (`abi.Workspace.shx`, `roles_v2._shared_gemm1`): after a T = 1 or 2 call the output is the
+  oracle's bit for bit and every block's tag is that call's epoch (both halves swapped it in). H = 640 leaves the
+  halves' last K step one K128 tile of the four a step holds."""
   from gcmoe_jax.ffi import _cuda
   from gcmoe_jax.kernels import abi, build
   for hidden in (512, 640):
-    shape = dataclasses.replace(SMALL, tokens=1, hidden=hidden, shared_intermediate=256, shared_group=32)
-    x, w, r = quantized(make_problem("default", shape, seed=hidden))
-    clamp = 6.0 + hidden / 1024  # a clamp of its own: the workspace read back is this test's runtime's
+    shape = dataclasses.replace(SMALL, tokens=tokens, hidden=hidden, shared_intermediate=256, shared_group=32)
+    x, w, r = quantized(make_problem("default", shape, seed=hidden + tokens))
+    clamp = 6.0 + hidden / 1024 + tokens / 64  # a clamp of its own: the workspace read back is this test's runtime's
     step = jax.jit(lambda x, w=w, r=r, clamp=clamp: gm.moe(x, w, r, clamp=clamp, backend="cuda"))
     for call in range(3):  # the tags of the earlier calls must not be taken for this one's
       xi = x * (1.0 + call / 8)
       y = step(xi)
       want = emulated(xi, w, r.ids, r.weights, clamp=clamp)
-      assert _compare(f"one-token halves H={hidden} call {call}", y, want) == 1.0
+      assert _compare(f"T={tokens} halves H={hidden} call {call}", y, want) == 1.0
     variant = build.Variant(hidden, shape.intermediate, shape.experts, shape.top_k, 8, 256, 32)
     ws = variant.workspace("v2")
     raw = _cuda.debug_read_workspace(0, ws.total)
     epoch = int(np.frombuffer(raw, np.uint32, 1)[0])
     n_cb = 256 // 32
     tags = np.frombuffer(raw, np.uint32, n_cb * abi.SHX_BYTES // 4, ws.shx)[:: abi.SHX_BYTES // 4]
-    print(f"\n  H={hidden}: epoch {epoch}, exchange tags {tags.tolist()}")
+    print(f"\n  T={tokens} H={hidden}: epoch {epoch}, exchange tags {tags.tolist()}")
     np.testing.assert_array_equal(tags, np.full(n_cb, epoch, np.uint32))
 
 
@@ -171,7 +173,7 @@ def _paper_weights(model, shared):
 
 @pytest.mark.parametrize("model", sorted(PAPER))
 @pytest.mark.parametrize("shared", [False, True], ids=["routed", "shared"])
-@pytest.mark.parametrize("batch", [1, 8, 32, 64, 256])  # one per token capacity but 16
+@pytest.mark.parametrize("batch", [1, 2, 8, 32, 64, 256])  # one per token capacity but 16, and the halves of B = 2
 def test_paper_per_rank_shapes(model, shared, batch):
   h, i, e, k = PAPER[model]
   w = _paper_weights(model, shared)

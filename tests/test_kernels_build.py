@@ -617,8 +617,9 @@ def test_the_routedfirst_build_changes_only_role_2s_item_order(cache, monkeypatc
 
 @needs_dsl
 @pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
-def test_one_token_halves_meet_by_an_acq_rel_exchange(built, cache):
-  """A one-token group's shared GEMM1 halves meet in the block's exchange (`abi.Workspace.shx`): role 2 of a
+def test_small_groups_halves_meet_by_an_acq_rel_exchange(built, cache):
+  """A group of one or two tokens takes its shared GEMM1 in halves, which meet in the block's exchange
+  (`abi.Workspace.shx`, room for both tokens' values): role 2 of a
   shared-expert variant swaps the epoch tag in with an acq_rel atomic and reads the other half's values through L2;
   a routed variant has neither the exchange nor its section."""
   meta = build.compile_variant("sm_90a", SMALL_SHARED, cache_dir=cache)
@@ -627,6 +628,7 @@ def test_one_token_halves_meet_by_an_acq_rel_exchange(built, cache):
   assert "atom.acq_rel.gpu.global.exch.b32" not in routed
   ws = SMALL_SHARED.workspace("v2")
   assert ws.sae < ws.shx and ws.shx + abi.SHX_BYTES * SMALL_SHARED.shared_intermediate // 32 <= ws.pub_ids
+  assert abi.SHX_VALUES + abi.HALVES_TOKENS * abi.SHX_TOKEN_BYTES <= abi.SHX_BYTES and abi.SHX_TOKEN_BYTES == 32 * 2
   assert SMALL.workspace("v2").shx == SMALL.workspace("v2").pub_ids  # no shared expert: an empty section
 
 

@@ -346,47 +346,59 @@ def test_shared_tensor_core_block_dots_equal_the_oracle():
     assert got == 0 or 2.0**-18 <= abs(float(got)) < 2.0**23
 
 
-def _sh_one_row_p(wrows: np.ndarray, xb: np.ndarray) -> list[np.float32]:
-  """`roles_v2.RoleKernelsV2._sh_one_row`'s p of one K32 block of 16 weight rows ``wrows`` [16, 32] x one token,
-  emulated through the m16n8 tile: the B columns each lane g loads, the two MMA chains, the int32 sums per lane and
-  the shuffles of lane t4 = 2, the float32 conversions and the FMAs."""
+def _sh_two_rows_p(wrows: np.ndarray, xb: np.ndarray) -> list[list[np.float32]]:
+  """`roles_v2.RoleKernelsV2._sh_two_rows`'s p of one K32 block of 16 weight rows ``wrows`` [16, 32] x two tokens
+  ``xb`` [2, 32] ([token][row]), emulated through its two m16n8 tiles: the columns lane g loads, the six MMAs, the
+  int32 sums per lane, the shuffles of lanes t4 = 0 and 2, the float32 conversions and the FMAs."""
   table = _digit_table()
   planes = lambda b: np.array([[_s8((table[v] >> (8 * q)) & 0xFF) for q in range(4)] for v in b], np.int64)  # noqa
-  dx = planes(xb)  # [32, 4]: H1, H0, L1, L0
+  dx = [planes(xb[t]) for t in range(2)]  # [32, 4] each: H1, H0, L1, L0
   bh, bl, bf = (np.zeros((32, 8), np.int64) for _ in range(3))
   for g in range(8):
-    val = dx[:, g % 4] | (dx[:, g % 2 + 2] if 4 <= g < 6 else 0)
-    (bh if g < 2 else bl if g < 4 else bf)[:, g] = val if g < 6 else 0
+    (bh if g % 4 < 2 else bl)[:, g] = dx[g // 4][:, g % 4]
+    if g < 4:
+      bf[:, g] = dx[(g // 2) % 2][:, g % 2] | dx[(g // 2) % 2][:, g % 2 + 2]
   dw = np.stack([planes(row) for row in wrows])  # [16, 32, 4]
   ah1, ah0, al1, al0 = (dw[:, :, q] for q in range(4))
   af1, af0 = ah1 | al1, ah0 | al0
-  x = ah1 @ bh + al1 @ bl + af1 @ bf  # [16 rows, 8 columns]
-  y = ah0 @ bh + al0 @ bl + af0 @ bf
-  out = []
-  for row in range(16):
-    s = [4096 * x[row, 2 * t4] + 64 * (x[row, 2 * t4 + 1] + y[row, 2 * t4]) + y[row, 2 * t4 + 1] for t4 in range(3)]
-    assert all(abs(v) < 2**31 for v in s)  # int32, no wrap
-    hh, ll = s[0], s[1]  # lane t4 = 2's shuffles from t4 = 0 and 1
-    fhh, fhx, fll = _f32(hh), _f32(s[2] - hh - ll), _f32(ll)
-    q = _f32(float(fhh) * 2.0**-6 + float(_f32(float(fhx) * 2.0**-12)))
-    out.append(_f32(float(fll) * 2.0**-18 + float(q)))
+  x, y = ah1 @ bh + al1 @ bl, ah0 @ bh + al0 @ bl  # [16 rows, 8 columns]
+  xf, yf = af1 @ bf, af0 @ bf
+
+  def lane(a, b, row, t4):  # lane t4's int32 sum of rows ``row`` from the accumulators a (X) and b (Y)
+    return 4096 * a[row, 2 * t4] + 64 * (a[row, 2 * t4 + 1] + b[row, 2 * t4]) + b[row, 2 * t4 + 1]
+
+  out = [[], []]
+  for tok in range(2):
+    t4 = 2 * tok  # the lane that forms p of this token
+    for row in range(16):
+      hl, ll = lane(x, y, row, t4), lane(x, y, row, t4 ^ 1)
+      ff = lane(xf, yf, row, 0 if t4 == 0 else 1)  # its own, or t4 = 1's by the shuffle
+      assert all(abs(v) < 2**31 for v in (hl, ll, ff))  # int32, no wrap
+      fhh, fhx, fll = _f32(hl), _f32(ff - hl - ll), _f32(ll)
+      q = _f32(float(fhh) * 2.0**-6 + float(_f32(float(fhx) * 2.0**-12)))
+      out[tok].append(_f32(float(fll) * 2.0**-18 + float(q)))
   return out
 
 
-def test_shared_one_token_block_dots_equal_the_oracle():
-  """The one-token form (six MMAs over the token's planes in the columns of one n-tile) gives the oracle's p bit for
-  bit for every row of the tile: random rows of every magnitude mix against random tokens, and the extreme blocks."""
+def test_shared_two_token_block_dots_equal_the_oracle():
+  """The two-token form (six MMAs over the two tokens' planes in the columns of two n-tiles) gives the oracle's p bit
+  for bit for every row and both tokens: random rows of every magnitude mix against random token pairs (every fourth
+  with a zero second token, as a one-token group runs it), and the extreme blocks."""
   codes = np.array([c for c in range(256) if np.isfinite(np.uint8(c).view(ml_dtypes.float8_e4m3fn).astype(float))],
                    np.int64)
   vals = np.abs(np.uint8(codes).view(ml_dtypes.float8_e4m3fn).astype(float))
   pools = [codes, codes[vals < 1], codes[vals >= 1], np.array([0x7E, 0xFE]), np.array([0x37, 0xB7])]
-  rng = np.random.default_rng(12)
-  for _ in range(60):
+  rng = np.random.default_rng(13)
+  for i in range(40):
     wrows = np.stack([rng.choice(pools[rng.integers(len(pools))], 32) for _ in range(16)])
-    xb = rng.choice(pools[rng.integers(len(pools))], 32)
-    for row, got in enumerate(_sh_one_row_p(wrows, xb)):
-      want = _oracle_block_p(wrows[row], xb)
-      assert got.view(np.uint32) == want.view(np.uint32), (wrows[row], xb, got, want)
+    xb = np.stack([rng.choice(pools[rng.integers(len(pools))], 32) for _ in range(2)])
+    if i % 4 == 3:
+      xb[1] = 0  # a one-token group: the second token's planes are zeros (`_sh_issue`'s zero fill)
+    got = _sh_two_rows_p(wrows, xb)
+    for tok in range(2):
+      for row in range(16):
+        want = _oracle_block_p(wrows[row], xb[tok])
+        assert got[tok][row].view(np.uint32) == want.view(np.uint32), (tok, wrows[row], xb[tok], got[tok][row], want)
 
 
 def test_shared_expert_smem_fits_the_pipeline_area_and_sm120():

@@ -81,6 +81,10 @@ def test_call_ranges_count_the_shared_items_of_the_token_groups():
                               group=16) == timeline.item_ranges(1024, 1536, 256, 384)
   assert timeline.call_ranges(30 * 80 + 4 * 160, 30, 32, 48, 64, 96, tokens=33,
                               group=16) == timeline.item_ranges(960, 1440, 256, 384)
+  # B = 2 (one group of two tokens: halves too), B = 10 (8 + 2: the tail group's halves), B = 11 (8 + 3: none)
+  assert timeline.call_ranges(960, 8, 32, 48, 64, 96, tokens=2) == timeline.item_ranges(256, 384, 128, 192)
+  assert timeline.call_ranges(1120, 8, 32, 48, 64, 96, tokens=10) == timeline.item_ranges(256, 384, 192, 288)
+  assert timeline.call_ranges(960, 8, 32, 48, 64, 96, tokens=11) == timeline.item_ranges(256, 384, 128, 192)
   assert timeline.call_ranges(640, 8, 32, 48) == timeline.item_ranges(256, 384)
   with pytest.raises(ValueError, match="800 items, expected 960 for 8 experts"):
     timeline.call_ranges(800, 8, 32, 48, 64, 96, tokens=1)

@@ -139,10 +139,11 @@ def call_ranges(items: int, hit: int, j1: int, j2: int, n_cb: int = 0, n_hb: int
                 group: int = 8) -> dict[str, tuple[int, int]]:
   """`item_ranges` of a call of ``tokens`` tokens with ``items`` items in all, ``hit`` experts hit, ``j1``/``j2``
   routed GEMM1/GEMM2 items per expert and ``n_cb``/``n_hb`` shared GEMM1/GEMM2 items per token group of ``group``
-  tokens (0: no shared expert). A last group of one token takes two items (halves) per column block of both shared
-  GEMMs, as if it were two groups. The count must match, else ValueError (another build's queue)."""
+  tokens (0: no shared expert). A last group of one or two tokens (`abi.HALVES_TOKENS`) takes two items (halves)
+  per column block of both shared GEMMs, as if it were two groups. The count must match, else ValueError (another
+  build's queue)."""
   groups = -(-tokens // group) if n_cb + n_hb else 0
-  per = groups + (1 if groups and tokens - (groups - 1) * group == 1 else 0)
+  per = groups + (1 if groups and tokens - (groups - 1) * group <= abi.HALVES_TOKENS else 0)
   want = hit * (j1 + j2) + per * (n_cb + n_hb)
   if items != want:
     raise ValueError(f"call_ranges: {items} items, expected {want} for {hit} experts x ({j1} + {j2}) and {tokens} "

@@ -88,7 +88,10 @@ NAN_WORD = 0x7FFFFFFF  # exponent word of a block that held a NaN/Inf (not a mul
 # (UE8M0 exponents lie in [-127, 127]).
 SHARED_NAN_EXP = 1 << 30
 SHARED_PLANES = 4  # the shared expert's digit planes H1, H0, L1, L0 (`Workspace.sxp`)
-SHX_BYTES, SHX_VALUES = 128, 64  # `Workspace.shx`: one block's exchange, and where its BF16 values start
+# `Workspace.shx`: one block's exchange, where its BF16 values start, and the bytes of one token's 32 values (a
+# group of two tokens exchanges both).
+SHX_BYTES, SHX_VALUES, SHX_TOKEN_BYTES = 256, 64, 64
+HALVES_TOKENS = 2  # a last token group of at most this many tokens takes its shared items in halves
 FAST_EXP = (-63, 35)  # e - 10 of every block of a row in this range (and no NaN): the row may take the fast path
 # error_counter of a role-2 wait, by what was awaited (low bits: the expert id where there is one).
 WAIT_READY, WAIT_GEMM1, WAIT_XQ, WAIT_SHARED = 0, 0x10000, 0x20000, 0x30000
@@ -163,11 +166,12 @@ class Workspace:
   sxe: int  # i32 [capacity, H / 32]
   sap: int  # int8 [capacity, Is / 32, 4, 32]
   sae: int  # i32 [capacity, Is / 32]
-  # The halves' exchange of a one-token group's shared GEMM1 (`roles_v2.RoleKernelsV2._shared_gemm1`): per K32 block
-  # of Is, `SHX_BYTES`: word 0 the epoch tag of the last half that arrived (an exchange, acq_rel: the half that
-  # reads this call's tag is the second and requantizes the block), bytes `SHX_VALUES`.. the block's 32 BF16
-  # SwiGLU outputs, each half writing its 16. Only the last token group of a call can hold one token, so one
-  # exchange per block suffices; the tags are epoch-tagged, so nothing is reset.
+  # The halves' exchange of a token group of one or two tokens (`HALVES_TOKENS`) in the shared GEMM1
+  # (`roles_v2.RoleKernelsV2._shared_gemm1`): per K32 block of Is, `SHX_BYTES`: word 0 the epoch tag of the last
+  # half that arrived (an exchange, acq_rel: the half that reads this call's tag is the second and requantizes the
+  # block), from byte `SHX_VALUES` + `SHX_TOKEN_BYTES` t the block's 32 BF16 SwiGLU outputs of token t, each half
+  # writing its 16. Only the last token group of a call can be that small, so one exchange per block suffices; the
+  # tags are epoch-tagged, so nothing is reset.
   shx: int  # u8 [Is / 32, SHX_BYTES]
   # The fused transport (ranks R > 1; 0 bytes otherwise). A row of the R C global tokens g = p C + t (rank p's
   # token t) and a global assignment g k + j index the receive side: ``rows``, ``aplanes``..``asf`` then hold

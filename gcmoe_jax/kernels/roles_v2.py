@@ -48,9 +48,10 @@ latencies better where the work per stage is small).
    An item streams K in steps of 8 K32 blocks through a cp.async double buffer: a warp per (m16 tile of the rows,
    K128 tile of the step) decodes its E4M3 weight bytes into digit planes by a 256-word SMEM table and prmt
    (`_e4m3_digits`), forms each block's three split dots from twelve int8 MMAs per n-tile of the group's tokens
-   (`_sh_tiles`), or from six for a group of one token, whose digit planes fill the columns of one n-tile
-   (`_sh_one_row`), the blocks' contributions go through SMEM, and a thread per (token, row) adds them in K
-   order. Every wait is for earlier items, so with the whole grid resident no CTA waits on an item a waiting CTA
+   (`_sh_tiles`), or from six for a group of one or two tokens, whose digit planes fill the columns of two
+   n-tiles (`_sh_two_rows`; such a group takes its items in halves of 32 rows), the blocks' contributions go
+   through SMEM, and a thread per (token, row) adds them in K order. Every wait is for earlier items, so with the
+   whole grid resident no CTA waits on an item a waiting CTA
    holds.
 
 Every wait is bounded as in v1 (``header.timeout_ns``); a timeout records (role 2, block, epoch, counter =
@@ -171,7 +172,7 @@ PAIR_SLOT_COLUMNS = (0, 0, 1, 1, 0, 0, 1, 1)
 assert all(PLANE_COLUMNS[n] == (2 if n >= 4 else n & 1) and PAIR_SLOT_COLUMNS[n] == (n >> 1) & 1 for n in range(8))
 # The shared expert (`RoleKernelsV2._shared_core`): items of `SH_ROWS` weight rows x a token group, K streamed in
 # steps of `SH_STEP` K32 blocks (two K128 tiles; warp w: the m16 tile w & 3 of the rows and the K128 tile w >> 2 of the
-# step; a one-token half of 32 rows takes four tiles per step), double-buffered by cp.async. The FP8 x FP8 block dots
+# step; a half of 32 rows takes four tiles per step), double-buffered by cp.async. The FP8 x FP8 block dots
 # are exact int8 MMAs over signed 6-bit digits (`SH_PLANES`; `_sh_compute`). A group is one n-tile of the MMA
 # (`SH_TOKENS`) or, where the SMEM holds it, two (`SH_TOKENS_WIDE`: the one-CTA sm_90a variants), so that a warp
 # decodes each weight block once for twice the tokens.
@@ -431,13 +432,19 @@ def _sign_digits(v, n: int) -> tuple[Int32, ...]:
 
 def _sh_tiles_per_step(rows: int) -> int:
   """K128 tiles per step of a shared-expert item of ``rows`` weight rows: the step's weights fill `SH_W`'s buffer,
-  and its 8 warps take an m16 tile and a K128 tile each (2 for 64 rows, 4 for the 32 of a one-token half)."""
+  and its 8 warps take an m16 tile and a K128 tile each (2 for 64 rows, 4 for the 32 of a half)."""
   return 2 * SH_ROWS // rows
 
 
 def _sh_ntiles(tokens: int) -> int:
   """The n-tiles of 8 columns a shared-expert token group of ``tokens`` (a Python int) takes."""
   return -(-tokens // SH_TOKENS)
+
+
+def _sh_slots(rows: int) -> int:
+  """SMEM token slots (`SH_X_STRIDE`, `SH_STEP` exponent words) per token of a step of a shared-expert item of
+  ``rows`` weight rows: 2 for a half, whose step holds twice the K32 blocks."""
+  return _sh_tiles_per_step(rows) * 4 // SH_STEP
 
 
 def _digit_entry(code) -> Int32:
@@ -609,7 +616,7 @@ def _expanded_fragment(sb, warp, lane, s):
 
 
 def _atom_exch_acq_rel(addr, v) -> Int32:
-  """The old value of an acq_rel gpu-scope atomic exchange (the one-token halves' meeting, `_shared_gemm1`)."""
+  """The old value of an acq_rel gpu-scope atomic exchange (the halves' meeting, `_shared_gemm1`)."""
   return v1._ptx1("atom.acq_rel.gpu.global.exch.b32 {$w0}, [{$r0}], {$r1};", addr, Int32(v))
 
 
@@ -1595,31 +1602,32 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     columns, `formats` interleave) against the group's x (`_shared_core`), SwiGLU, then the K32 block cb of each
     token's requantized output to ``sap``/``sae`` (a warp per token), and the group's counter += 1 (release).
 
-    A group of one token (every group at B = 1, the one-token tails) takes the block in two items, ``half`` 0 and
-    1, of 32 W13 rows (16 columns) each: twice the CTAs on the critical path of a B = 1 layer, whose shared GEMM1
-    items are the longest (docs/kernels_v2.md "One-token halves"). The MXFP8 block needs the amax of all 32
-    columns, so each half stores its 16 BF16 outputs into the block's exchange (`abi.Workspace.shx`) and swaps
-    the call's tag into it (acq_rel); the half that finds the tag there already requantizes the block from both
-    and counts it done: the same values and the same arithmetic, so the same bits."""
+    A group of one or two tokens (`abi.HALVES_TOKENS`: every group at B = 1 and 2, the tails of one or two tokens)
+    takes the block in two items, ``half`` 0 and 1, of 32 W13 rows (16 columns) each: twice the CTAs on the
+    critical path of a B = 1 or 2 layer, whose shared GEMM1 items are the longest (docs/kernels_v2.md "One-token
+    halves"). The MXFP8 block needs the amax of all 32 columns, so each half stores its tokens' 16 BF16 outputs
+    into the block's exchange (`abi.Workspace.shx`) and swaps the call's tag into it (acq_rel); the half that finds
+    the tag there already requantizes the block from both (warp 0, each token in turn) and counts it done: the same
+    values and the same arithmetic, so the same bits."""
     v, ws = self.v, self.ws
     tid, _, _ = cute.arch.thread_idx()
     sh = self.sh
     t0 = tg * sh.tokens
     nt = cutlass.min(n_tok - t0, Int32(sh.tokens))
     col = tid % 32
-    if nt == 1:
+    if nt <= abi.HALVES_TOKENS:
       rows = SH_ROWS // 2
-      self._shared_core(1, nt, t0, s13, s13s, 2 * v.shared_intermediate, v.hidden, cb * SH_ROWS + half * rows,
-                        wsb + ws.sxp, wsb + ws.sxe, sb, rows)
+      self._shared_core(abi.HALVES_TOKENS, nt, t0, s13, s13s, 2 * v.shared_intermediate, v.hidden,
+                        cb * SH_ROWS + half * rows, wsb + ws.sxp, wsb + ws.sxe, sb, rows)
       xch = wsb + ws.shx + Int64(cb) * abi.SHX_BYTES
       gate = v1._gate_row(col % (rows // 2))  # lane l < 16 holds column 16 half + l (lanes 16-31 the same ones)
-      a = Int32(0)
+      # Warp 0 takes both tokens in turn (the token a constant: a warp per token cost ptxas 28 B more spills).
+      a0 = Int32(0)
+      a1 = Int32(0)
       if tid < 32:
-        hg = _lds(sb + sh.acc + gate * 4)
-        hu = _lds(sb + sh.acc + (gate + v1.GATE_UP_GROUP) * 4)
-        a = self._swiglu_bits(hg, hu, Int32(v1.F32_ONE), wsb, c_bits)
-        if col < rows // 2:
-          v1._st_bf16(xch + abi.SHX_VALUES + (half * (rows // 2) + col) * v1.BF16_BYTES, a)
+        a0 = self._half_swiglu(0, gate, half, col, xch, sb, wsb, c_bits)
+        if nt > 1:
+          a1 = self._half_swiglu(1, gate, half, col, xch, sb, wsb, c_bits)
       cute.arch.sync_threads()
       old = Int32(0)
       if tid == 0:
@@ -1627,9 +1635,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         old = _atom_exch_acq_rel(xch, cur)
       if _bar_or((tid == 0) & (old == cur)) != 0:  # the second half: the other's values are in
         if tid < 32:
-          word = _ld_cg(xch + abi.SHX_VALUES + (col // 2) * 4)
-          other = (word >> (v1.BF16_SHIFT * (col % 2))) & v1.BF16_MASK
-          self._requantize(cutlass.select_(col // (rows // 2) == half, a, other), t0, 0, cb, col, wsb)
+          self._half_requantize(0, a0, half, xch, t0, cb, col, wsb)
+          if nt > 1:
+            self._half_requantize(1, a1, half, xch, t0, cb, col, wsb)
         self._count_done(counter)
     else:
       self._shared_dispatch(nt, t0, s13, s13s, 2 * v.shared_intermediate, v.hidden, cb * SH_ROWS,
@@ -1643,12 +1651,36 @@ class RoleKernelsV2(v1.RoleKernelsV1):
           self._requantize(self._swiglu_bits(hg, hu, Int32(v1.F32_ONE), wsb, c_bits), t0, tok, cb, col, wsb)
       self._count_done(counter)
 
+  @cute.jit
+  def _half_swiglu(self, tok: cutlass.Constexpr, gate: Int32, half: Int32, col: Int32, xch: Int64, sb: Int32,
+                   wsb: Int64, c_bits: Int32) -> Int32:
+    """A warp, after a shared GEMM1 half (`_shared_gemm1`): the BF16 SwiGLU output of token ``tok``'s column
+    16 half + l in lane l (and l - 16), which lanes l < 16 store into the block's exchange ``xch``."""
+    hg = _lds(sb + self.sh.acc + (tok * SH_ROWS + gate) * 4)
+    hu = _lds(sb + self.sh.acc + (tok * SH_ROWS + gate + v1.GATE_UP_GROUP) * 4)
+    a = self._swiglu_bits(hg, hu, Int32(v1.F32_ONE), wsb, c_bits)
+    values = xch + abi.SHX_VALUES + tok * abi.SHX_TOKEN_BYTES
+    if col < v1.K32 // 2:
+      v1._st_bf16(values + (half * (v1.K32 // 2) + col) * v1.BF16_BYTES, a)
+    return a
+
+  @cute.jit
+  def _half_requantize(self, tok: cutlass.Constexpr, a: Int32, half: Int32, xch: Int64, t0: Int32, cb: Int32,
+                       col: Int32, wsb: Int64):
+    """A warp, in the second half of a block to arrive: token ``tok``'s block from its own outputs ``a`` and the
+    other half's in the exchange, requantized (`_requantize`)."""
+    word = _ld_cg(xch + abi.SHX_VALUES + tok * abi.SHX_TOKEN_BYTES + (col // 2) * 4)
+    other = (word >> (v1.BF16_SHIFT * (col % 2))) & v1.BF16_MASK
+    self._requantize(cutlass.select_(col // (v1.K32 // 2) == half, a, other), t0, tok, cb, col, wsb)
+
   def _shared_groups(self, n_tok: Int32):
-    """(token groups, shared items per column block) of a call of ``n_tok`` tokens: a last group of one token takes
-    two items per column block (halves of 32 weight rows, `_shared_gemm1`, `_shared_gemm2`), the others one; per
-    column block the groups' items come first, then the one-token group's second half."""
+    """(token groups, shared items per column block) of a call of ``n_tok`` tokens: a last group of one or two
+    tokens (`abi.HALVES_TOKENS`) takes two items per column block (halves of 32 weight rows, `_shared_gemm1`,
+    `_shared_gemm2`), the others one; per column block the groups' items come first, then the last group's second
+    half."""
     n_tg = (n_tok + self.sh.tokens - 1) // self.sh.tokens
-    return n_tg, n_tg + cutlass.select_(n_tok - (n_tg - 1) * self.sh.tokens == 1, Int32(1), Int32(0))
+    return n_tg, n_tg + cutlass.select_(n_tok - (n_tg - 1) * self.sh.tokens <= abi.HALVES_TOKENS, Int32(1),
+                                        Int32(0))
 
   @cute.jit
   def _requantize(self, bits: Int32, t0: Int32, tok: Int32, cb: Int32, lane: Int32, wsb: Int64):
@@ -1673,8 +1705,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
                     cur: Int32, bid: Int32, sb: Int32, counter: Int64) -> Int32:
     """Shared expert GEMM2, token group tg, output columns 64 hb..: after the group's GEMM1 items (bounded wait),
     W2 rows 64 hb.. against its requantized activations, bf16 into ``shared_out``. Returns 1 when the wait failed.
-    A group of one token takes the 64 columns in two items of 32 (``half``), like its GEMM1 (`_shared_gemm1`):
-    its output columns need no exchange."""
+    A group of one or two tokens takes the 64 columns in two items of 32 (``half``), like its GEMM1
+    (`_shared_gemm1`): its output columns need no exchange."""
     v, ws = self.v, self.ws
     tid, _, _ = cute.arch.thread_idx()
     sh = self.sh
@@ -1686,14 +1718,16 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     failed = Int32(0)
     if _bar_or(ok == 0) != 0:
       failed = Int32(1)
-    elif nt == 1:
+    elif nt <= abi.HALVES_TOKENS:
       rows = SH_ROWS // 2
       col0 = hb * SH_ROWS + half * rows
-      self._shared_core(1, nt, t0, s2, s2s, v.hidden, v.shared_intermediate, col0, wsb + ws.sap, wsb + ws.sae, sb,
-                        rows)
-      if tid < rows:
-        out = wsb + ws.shared_out + (Int64(t0) * v.hidden + col0 + tid) * v1.BF16_BYTES
-        v1._st_bf16(out, v1._bf16_rne(_lds(sb + sh.acc + tid * 4)))
+      self._shared_core(abi.HALVES_TOKENS, nt, t0, s2, s2s, v.hidden, v.shared_intermediate, col0, wsb + ws.sap,
+                        wsb + ws.sae, sb, rows)
+      tok = tid // rows
+      row = tid % rows
+      if tok < nt:
+        out = wsb + ws.shared_out + (Int64(t0 + tok) * v.hidden + col0 + row) * v1.BF16_BYTES
+        v1._st_bf16(out, v1._bf16_rne(_lds(sb + sh.acc + (tok * SH_ROWS + row) * 4)))
       cute.arch.sync_threads()  # the accumulators are zeroed by the next item
     else:
       self._shared_dispatch(nt, t0, s2, s2s, v.hidden, v.shared_intermediate, hb * SH_ROWS,
@@ -1711,8 +1745,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   @cute.jit
   def _shared_dispatch(self, nt: Int32, t0: Int32, pw: Int64, psc: Int64, n: cutlass.Constexpr,
                        k: cutlass.Constexpr, row0: Int32, ap: Int64, ae: Int64, sb: Int32):
-    """`_shared_core` of 64 rows for a group of more than one token: one n-tile of tokens (`SH_TOKENS`), or, in the
-    variants of wide groups, up to two. (A group of one token takes its items in halves of 32 rows.)"""
+    """`_shared_core` of 64 rows for a group of more than two tokens: one n-tile of tokens (`SH_TOKENS`), or, in the
+    variants of wide groups, up to two. (A group of one or two tokens takes its items in halves of 32 rows.)"""
     if cutlass.const_expr(self.sh.tokens > SH_TOKENS):
       if nt > SH_TOKENS:
         self._shared_core(self.sh.tokens, nt, t0, pw, psc, n, k, row0, ap, ae, sb)
@@ -1731,8 +1765,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
 
     MXFP8 weights ``pw`` [K/128, n, 128] (E4M3) with scales ``psc`` [n, ceil(K / (4 group))]; activations as the
     digit planes at ``ap`` and exponent words at ``ae`` (`abi.Workspace.sxp`). Each step of `SH_STEP` K32 blocks
-    (twice that for the 32 rows of a one-token half, `_sh_tiles_per_step`; one token's SMEM slots run on over those
-    of the tokens it lacks): the next step's weights and activations are copied (cp.async) while this one's block
+    (twice that for the 32 rows of a half, `_sh_tiles_per_step`; a token's SMEM slots then run on over the next
+    token's, `_sh_slots`): the next step's weights and activations are copied (cp.async) while this one's block
     dots run on the tensor cores (`_sh_compute`, one n-tile per 8 tokens of ``tbc``), the blocks' p to SMEM; then a
     thread per (token, row) adds the step's p in increasing K (the order the semantics fix, which the split of K
     across warps would otherwise break)."""
@@ -1766,7 +1800,6 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     the tbc tokens' digit planes, and the exponent words of the n-tiles' tokens (zeros past ``nt`` and past K, so
     the unused columns of the MMA keep every block exponent in range)."""
     tid, _, _ = cute.arch.thread_idx()
-    sh = self.sh
     group = self.v.shared_group
     k_tiles = k // v1.K128
     nblk = k // v1.K32
@@ -1791,24 +1824,44 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       if kt < k_tiles:
         word = kt if group == v1.K32 else kt // 4
         _cp4(sb + SH_S + ((buf * tps + ts) * rows + r) * 4, psc + (Int64(row0 + r) * scale_words + word) * 4)
+    slots = _sh_slots(rows)
     per_tok = bps * SH_BLOCK // 16  # 16 B chunks per token and step
-    for q in range(tid, tbc * per_tok, THREADS):
-      tok = q // per_tok
-      c = q - tok * per_tok
-      blk = s * bps + c // (SH_BLOCK // 16)
-      ok = (tok < nt) & (blk < nblk)
-      src = ap + cutlass.select_(ok, (Int64(t0 + tok) * nblk + s * bps) * SH_BLOCK + c * 16, Int64(0))
-      _cp16(sb + SH_X + (buf * sh.tokens + tok) * SH_X_STRIDE + 16 * c, src, cutlass.select_(ok, Int32(16), Int32(0)))
-    # The exponents of the n-tiles' tokens (zeros past nt); one token's run on over the slots of the next ones.
-    ex_tok = 1 if tbc == 1 else _sh_ntiles(tbc) * SH_TOKENS
-    for q in range(tid, ex_tok * (bps // 4), THREADS):
-      tok = q // (bps // 4)
-      c = q - tok * (bps // 4)
-      blk = s * bps + 4 * c
-      ok = (tok < nt) & (blk < nblk)
-      src = ae + cutlass.select_(ok, (Int64(t0 + tok) * nblk + blk) * 4, Int64(0))
-      _cp16(sb + sh.xe + ((buf * sh.tokens + tok) * SH_STEP + 4 * c) * 4, src, cutlass.select_(ok, Int32(16),
-                                                                                                Int32(0)))
+    # The exponents of the n-tiles' tokens (zeros past nt); a half's tokens run on over the slots of the next ones.
+    ex_tok = tbc if tbc == abi.HALVES_TOKENS else _sh_ntiles(tbc) * SH_TOKENS
+    if cutlass.const_expr(tbc == abi.HALVES_TOKENS):
+      # A thread per 16 B chunk copies it for both tokens (the token a constant), the first few an exponent chunk:
+      # a copy loop over (token, chunk) cost ptxas 44 B more spills at the two-CTA register cap.
+      assert tbc * per_tok == THREADS
+      if tid < per_tok:
+        for t in cutlass.range_constexpr(tbc):
+          self._sh_issue_x(Int32(t), tid, s, buf, nt, t0, nblk, bps, slots, ap, sb)
+      if tid < ex_tok * (bps // 4):
+        self._sh_issue_e(tid // (bps // 4), tid % (bps // 4), s, buf, nt, t0, nblk, bps, slots, ae, sb)
+    else:
+      for q in range(tid, tbc * per_tok, THREADS):
+        self._sh_issue_x(q // per_tok, q % per_tok, s, buf, nt, t0, nblk, bps, slots, ap, sb)
+      for q in range(tid, ex_tok * (bps // 4), THREADS):
+        self._sh_issue_e(q // (bps // 4), q % (bps // 4), s, buf, nt, t0, nblk, bps, slots, ae, sb)
+
+  @cute.jit
+  def _sh_issue_x(self, tok: Int32, c: Int32, s: Int32, buf: Int32, nt: Int32, t0: Int32, nblk: cutlass.Constexpr,
+                  bps: cutlass.Constexpr, slots: cutlass.Constexpr, ap: Int64, sb: Int32):
+    """cp.async of 16 B chunk c of token tok's digit planes of step s (zeros past ``nt`` and past K)."""
+    blk = s * bps + c // (SH_BLOCK // 16)
+    ok = (tok < nt) & (blk < nblk)
+    src = ap + cutlass.select_(ok, (Int64(t0 + tok) * nblk + s * bps) * SH_BLOCK + c * 16, Int64(0))
+    _cp16(sb + SH_X + (buf * self.sh.tokens + slots * tok) * SH_X_STRIDE + 16 * c, src,
+          cutlass.select_(ok, Int32(16), Int32(0)))
+
+  @cute.jit
+  def _sh_issue_e(self, tok: Int32, c: Int32, s: Int32, buf: Int32, nt: Int32, t0: Int32, nblk: cutlass.Constexpr,
+                  bps: cutlass.Constexpr, slots: cutlass.Constexpr, ae: Int64, sb: Int32):
+    """cp.async of exponent chunk c (4 words) of token tok's step s (zeros past ``nt`` and past K)."""
+    blk = s * bps + 4 * c
+    ok = (tok < nt) & (blk < nblk)
+    src = ae + cutlass.select_(ok, (Int64(t0 + tok) * nblk + blk) * 4, Int64(0))
+    _cp16(sb + self.sh.xe + ((buf * self.sh.tokens + slots * tok) * SH_STEP + 4 * c) * 4, src,
+          cutlass.select_(ok, Int32(16), Int32(0)))
 
   @cute.jit
   def _sh_compute(self, tbc: cutlass.Constexpr, s: Int32, buf: Int32, k: cutlass.Constexpr, sb: Int32,
@@ -1820,8 +1873,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     A weight byte and an activation are each hi + lo with hi = 64 H1 + H0 and lo = 64 L1 + L0 (signed 6-bit
     digits; one of hi, lo is 0), and F = hi + lo has the digits F1 = H1 | L1, F0 = H0 | L0 (`_sh_block_a`). A
     block's three split dots are Shh, Sll and Shl + Slh = Sff - Shh - Sll, each from exact int8 MMAs over the
-    digits: `_sh_tiles` for groups of n-tiles of 8 tokens, `_sh_one_row` for a group of one token (the B = 1
-    layers and one-token tails), which puts that token's digit planes in the columns of one n-tile. Then the
+    digits: `_sh_tiles` for groups of n-tiles of 8 tokens, `_sh_two_rows` for the halves of a group of one or two
+    tokens (the B = 1 and 2 layers, the tails of one or two tokens), which puts the tokens' digit planes in the
+    columns of two n-tiles. Then the
     semantics' p and its scaling (`roles_v1._fp8_block_p`; one multiplication where every block exponent of the
     warp's block lies within `SH_FAST_EXP`). The K order of the MMA is permuted the same way for A and B (thread t4
     holds the bytes 8 t4 .. 8 t4 + 7 of a block, in one 8-byte load), which leaves every integer sum as it is."""
@@ -1841,8 +1895,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
           ew = tuple(((w >> (8 * j)) & v1.BYTE_MASK) - v1.UE8M0_BIAS for w in sw)
         else:
           ew = tuple(((w >> (8 * (kt % 4))) & v1.BYTE_MASK) - v1.UE8M0_BIAS for w in sw)
-        if cutlass.const_expr(tbc == 1):
-          self._sh_one_row(a, ew, buf, lb, mt, sb)
+        if cutlass.const_expr(tbc == abi.HALVES_TOKENS):
+          self._sh_two_rows(a, ew, buf, lb, mt, sb)
         else:
           self._sh_tiles(_sh_ntiles(tbc), a, ew, buf, lb, mt, sb)
 
@@ -1886,42 +1940,51 @@ class RoleKernelsV2(v1.RoleKernelsV1):
                 tuple(out + ((c % 2) * SH_P_ROWS + 8 * (c // 2)) * 4 for c in range(4)), None)
 
   @cute.jit
-  def _sh_one_row(self, a, ew, buf: Int32, lb: Int32, mt: Int32, sb: Int32):
-    """Block lb's dots for a group of one token: column n of the B tile holds its digit plane H1, H0, L1, L0, F1,
-    F0 for n = 0..5 (zeros in 6, 7), and six MMAs from 0, X = A1 B (A1 = H1, L1, F1 against the columns of the
-    same part) and Y = A0 B, end with the digit products of Shh in columns 0, 1, of Sll in 2, 3, of Sff in 4, 5:
-    S = 4096 X[2 t4] + 64 (X[2 t4 + 1] + Y[2 t4]) + Y[2 t4 + 1] (exact in int32: |S| < 32 3584**2) is Shh in the
-    lanes t4 = 0, Sll in t4 = 1 and Sff in t4 = 2, which gathers the other two by shuffles; f32 of each is cvt.rn,
-    the value `_sh_chain_f32` rounds to in `_sh_tiles`. Half the B loads, MMAs and epilogue of an n-tile of 8
-    tokens, of which a group of one uses one column."""
+  def _sh_two_rows(self, a, ew, buf: Int32, lb: Int32, mt: Int32, sb: Int32):
+    """Block lb's dots for a group of two tokens (or one: the second's planes are zeros, its p is never read) over
+    two n-tiles. In the first, column n holds token n >> 2's plane H1, H0, L1, L0 (n & 3), and four MMAs from 0,
+    X = H1 B_h + L1 B_l and Y = H0 B_h + L0 B_l (B_h: the columns of H planes, B_l: of L), end with Shh of token 0
+    in lanes t4 = 0, its Sll in t4 = 1, and token 1's in t4 = 2, 3; in the second, columns 0-3 hold F1, F0 of
+    token 0, then of token 1, and two MMAs, F1 B and F0 B, end with Sff of token 0 in lanes t4 = 0 and of token 1
+    in t4 = 1. Lane t4 = 2 tok (tok = 0, 1) takes the others by shuffles and forms p of rows g and g + 8 and token
+    tok. Six MMAs where `_sh_tiles` issues twelve for an n-tile of 8 tokens, of which this group uses two columns.
+    Each lane's int32 sum S = 4096 X[2 t4] + 64 (X[2 t4 + 1] + Y[2 t4]) + Y[2 t4 + 1] is exact (|S| < 32 3584**2),
+    and f32 of it is cvt.rn, the value `_sh_chain_f32` rounds to in `_sh_tiles`."""
     _, _, g, t4 = _lanes()
     sh = self.sh
     ah1, ah0, al1, al0, af1, af0 = a
     on = Int32(-1)
-    m_h = cutlass.select_(g < 2, on, Int32(0))
-    m_l = cutlass.select_((g >= 2) & (g < 4), on, Int32(0))
-    m_f = cutlass.select_((g >= 4) & (g < 6), on, Int32(0))
-    xa = sb + SH_X + (buf * sh.tokens) * SH_X_STRIDE + lb * SH_BLOCK + 8 * t4
-    u = _lds2(xa + 32 * (g % 4))  # planes H1, H0, L1, L0 for columns 0-3; H1, H0 for 4, 5
-    w = _lds2(xa + 32 * (g % 2 + 2))  # L1, L0: F1 = H1 | L1 and F0 = H0 | L0 in columns 4, 5
-    val = tuple(u[i] | (w[i] & m_f) for i in range(2))
-    bh = tuple(v & m_h for v in val)
-    bl = tuple(v & m_l for v in val)
-    bf = tuple(v & m_f for v in val)
+    slots = _sh_slots(SH_ROWS // 2)
     z4 = (Int32(0),) * 4
-    x = _mma_s8(af1, bf, _mma_s8(al1, bl, _mma_s8(ah1, bh, z4)))
-    y = _mma_s8(af0, bf, _mma_s8(al0, bl, _mma_s8(ah0, bh, z4)))
-    ex = _lds(sb + sh.xe + ((buf * sh.tokens) * SH_STEP + lb) * 4)  # the one token's exponents run on (`_sh_issue`)
+    xa = sb + SH_X + (buf * sh.tokens) * SH_X_STRIDE + lb * SH_BLOCK + 8 * t4
+    ftok = xa + ((g // 2) % 2) * (slots * SH_X_STRIDE)  # column g < 4: token g >> 1's F plane g & 1
+    fh = _lds2(ftok + 32 * (g % 2))
+    fl = _lds2(ftok + 32 * (g % 2 + 2))
+    m_f = cutlass.select_(g < 4, on, Int32(0))
+    bf = tuple((fh[i] | fl[i]) & m_f for i in range(2))
+    xf = _mma_s8(af1, bf, z4)
+    yf = _mma_s8(af0, bf, z4)
+    ff = [Int32(0)] * 2  # Sff of token t4 in lanes t4 < 2, of rows g and g + 8; t4 = 2 takes token 1's from t4 = 1
+    for r in cutlass.range_constexpr(2):
+      f = (xf[2 * r] << 12) + ((xf[2 * r + 1] + yf[2 * r]) << 6) + yf[2 * r + 1]
+      ff[r] = cutlass.select_(t4 == 0, f, _shfl_xor(f, 3))
+    u = _lds2(xa + (g // 4) * (slots * SH_X_STRIDE) + 32 * (g % 4))  # token g >> 2, plane g & 3
+    m_h = cutlass.select_(g % 4 < 2, on, Int32(0))
+    bh = tuple(v & m_h for v in u)
+    bl = tuple(v & ~m_h for v in u)
+    x = _mma_s8(al1, bl, _mma_s8(ah1, bh, z4))
+    y = _mma_s8(al0, bl, _mma_s8(ah0, bh, z4))
+    tok = t4 // 2
+    ex = _lds(sb + sh.xe + ((buf * sh.tokens + slots * tok) * SH_STEP + lb) * 4)  # (`_sh_issue`'s run-on slots)
     p = [Int32(0)] * 2
     es = [Int32(0)] * 2
     for r in cutlass.range_constexpr(2):  # rows g, g + 8
-      sum_ = (x[2 * r] << 12) + ((x[2 * r + 1] + y[2 * r]) << 6) + y[2 * r + 1]
-      hh = _shfl_xor(sum_, 2)
-      ll = _shfl_xor(sum_, 3)
-      p[r] = _sh_p(v1._i2f(hh), v1._i2f(sum_ - hh - ll), v1._i2f(ll))
+      hl = (x[2 * r] << 12) + ((x[2 * r + 1] + y[2 * r]) << 6) + y[2 * r + 1]  # Shh (t4 even) or Sll (odd)
+      ll = _shfl_xor(hl, 1)
+      p[r] = _sh_p(v1._i2f(hl), v1._i2f(ff[r] - hl - ll), v1._i2f(ll))
       es[r] = ex + ew[r]
-    out = sb + sh.p + (lb * SH_P_ROWS + 16 * mt + g) * 4  # one token: p row lb (`_sh_accumulate`)
-    _sh_store(p, es, (ex, ex), (out, out + 8 * 4), t4 == 2)
+    out = sb + sh.p + ((lb * 2 + tok) * SH_P_ROWS + 16 * mt + g) * 4  # p rows (lb, tok) (`_sh_accumulate`)
+    _sh_store(p, es, (ex, ex), (out, out + 8 * 4), t4 % 2 == 0)
 
   @cute.jit
   def _sh_accumulate(self, tbc: cutlass.Constexpr, s: Int32, k: cutlass.Constexpr, sb: Int32,
@@ -1931,7 +1994,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     sh = self.sh
     row = tid % rows
     bps = 4 * _sh_tiles_per_step(rows)
-    ptok = 1 if tbc == 1 else sh.tokens  # p rows per block (`_sh_one_row`, `_sh_tiles`)
+    ptok = tbc if tbc == abi.HALVES_TOKENS else sh.tokens  # p rows per block (`_sh_two_rows`, `_sh_tiles`)
     for j in cutlass.range_constexpr(-(-tbc * rows // THREADS)):
       tok = tid // rows + j * (THREADS // rows)
       if tok < tbc:
