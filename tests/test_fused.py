@@ -127,8 +127,11 @@ def test_both_pull_paths_equal_the_oracle(hidden):
          ys, emulated(x, w, r.ids, r.weights, clamp=10.0), tokens)
 
 
-def test_shared_expert_on_virtual_ranks():
-  x, w, r, tokens = _case("zipf", 2, [9, 4], shared=256, seed=3)
+@pytest.mark.parametrize("tokens", [[9, 4], [10, 2]], ids=["one-token-tail", "two-token-group"])
+def test_shared_expert_on_virtual_ranks(tokens):
+  """A shared expert beside the fused transport; 9 and 10 tokens end in a group of one and two tokens, and a rank of
+  2 tokens is one group of two (the shared items' halves, `roles_v2._sh_two_rows`)."""
+  x, w, r, tokens = _case("zipf", 2, tokens, shared=256, seed=3)
   ys = _run(x, w, r, tokens, 2)
   _check("shared R=2", ys, emulated(x, w, r.ids, r.weights, clamp=10.0), tokens)
 
