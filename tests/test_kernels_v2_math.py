@@ -417,8 +417,13 @@ def test_shared_expert_smem_fits_the_pipeline_area_and_sm120():
       assert kern.shared_smem == (r2.SH_BYTES_WIDE if wide else r2.SH_BYTES)
       assert kern.shared_smem <= kern.pipe_bytes or arch != "sm_90a"
       assert kern.dynamic_smem(2) >= kern.pipe + kern.shared_smem
+  half = r2.SH_ROWS // 2  # the halves of a group of one or two tokens (`_sh_two_rows`)
+  slots, blocks = r2._sh_slots(half), 4 * r2._sh_tiles_per_step(half)
+  assert slots * r2.SH_STEP == blocks and blocks * r2.SH_BLOCK <= slots * r2.SH_X_STRIDE  # a token's run-on fits
   for tokens in (r2.SH_TOKENS, r2.SH_TOKENS_WIDE):
     sh = r2.SharedSmem(tokens)
+    # A half's tokens run on over `slots` token slots each, and its p rows are (block, token): within a buffer.
+    assert abi.HALVES_TOKENS * slots <= tokens and blocks * abi.HALVES_TOKENS <= r2.SH_STEP * tokens
     assert r2.SH_X < sh.xe < sh.p < sh.acc < sh.bytes == sh.acc + tokens * r2.SH_ROWS * 4
     assert sh.p % 16 == 0 and sh.xe % 16 == 0  # cp.async destinations, vector loads
   assert r2.SH_X_STRIDE % 16 == 0 and (r2.SH_X_STRIDE // 4) % 32 == 8  # cp.async chunks; conflict-free B loads
