@@ -32,8 +32,8 @@ def innermost_loops(sass: str) -> list[dict]:
   out = []
   for lo, hi in sorted(set(inner)):
     body = [t for a, t in ins if lo <= a <= hi]
-    out.append(dict(start=lo, end=hi, instructions=len(body), mma=sum("MMA" in t for t in body),
-                    local=sum(bool(re.search(r"\b(LDL|STL)", t)) for t in body)))
+    out.append({"start": lo, "end": hi, "instructions": len(body), "mma": sum("MMA" in t for t in body),
+                "local": sum(bool(re.search(r"\b(LDL|STL)", t)) for t in body)})
   return out
 
 
