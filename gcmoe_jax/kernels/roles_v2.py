@@ -490,6 +490,12 @@ def _sh_block_a(tile, j: int, g, tab):
   return (ah1, ah0, al1, al0, tuple(ah1[i] | al1[i] for i in range(4)), tuple(ah0[i] | al0[i] for i in range(4)))
 
 
+def _two_digit_sum(x, y, r: int) -> Int32:
+  """Row g + 8 r of a lane's two C columns 2 t4, 2 t4 + 1 of X = A1 B and Y = A0 B (`_sh_two_rows`): the block's
+  digit-product sum 4096 X[2 t4] + 64 (X[2 t4 + 1] + Y[2 t4]) + Y[2 t4 + 1], exact in int32."""
+  return (x[2 * r] << 12) + ((x[2 * r + 1] + y[2 * r]) << 6) + y[2 * r + 1]
+
+
 def _sh_p(fhh, fhx, fll) -> Int32:
   """The semantics' block p from f32 of its split dots Shh, Shl + Slh, Sll (`roles_v1._fp8_block_p`)."""
   return _fma(fll, v1.FP8_PART_BITS[2], _fma(fhh, v1.FP8_PART_BITS[0], v1._fmul(fhx, v1.FP8_PART_BITS[1])))
@@ -1966,7 +1972,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     yf = _mma_s8(af0, bf, z4)
     ff = [Int32(0)] * 2  # Sff of token t4 in lanes t4 < 2, of rows g and g + 8; t4 = 2 takes token 1's from t4 = 1
     for r in cutlass.range_constexpr(2):
-      f = (xf[2 * r] << 12) + ((xf[2 * r + 1] + yf[2 * r]) << 6) + yf[2 * r + 1]
+      f = _two_digit_sum(xf, yf, r)
       ff[r] = cutlass.select_(t4 == 0, f, _shfl_xor(f, 3))
     u = _lds2(xa + (g // 4) * (slots * SH_X_STRIDE) + 32 * (g % 4))  # token g >> 2, plane g & 3
     m_h = cutlass.select_(g % 4 < 2, on, Int32(0))
@@ -1979,11 +1985,11 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     p = [Int32(0)] * 2
     es = [Int32(0)] * 2
     for r in cutlass.range_constexpr(2):  # rows g, g + 8
-      hl = (x[2 * r] << 12) + ((x[2 * r + 1] + y[2 * r]) << 6) + y[2 * r + 1]  # Shh (t4 even) or Sll (odd)
+      hl = _two_digit_sum(x, y, r)  # Shh (t4 even) or Sll (odd)
       ll = _shfl_xor(hl, 1)
       p[r] = _sh_p(v1._i2f(hl), v1._i2f(ff[r] - hl - ll), v1._i2f(ll))
       es[r] = ex + ew[r]
-    out = sb + sh.p + ((lb * 2 + tok) * SH_P_ROWS + 16 * mt + g) * 4  # p rows (lb, tok) (`_sh_accumulate`)
+    out = sb + sh.p + ((lb * abi.HALVES_TOKENS + tok) * SH_P_ROWS + 16 * mt + g) * 4  # p row (lb, tok)
     _sh_store(p, es, (ex, ex), (out, out + 8 * 4), t4 % 2 == 0)
 
   @cute.jit
