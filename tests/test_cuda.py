@@ -79,10 +79,12 @@ def test_a_shared_expert_of_an_odd_number_of_k128_tiles_matches_the_oracle():
 
 
 @pytest.mark.parametrize("group", [32, 128])
-def test_the_shared_experts_wide_token_groups_and_their_tails_match_the_oracle(group):
-  """Capacity 64 (one CTA per SM): token groups of 16, two n-tiles per weight decode; T = 33, 37, 45 and 64 end in a
-  group of 1, 5, 13 and 16 tokens (the one-token, one-n-tile and two-n-tile bodies)."""
-  for tokens in (33, 37, 45, 64):
+def test_the_shared_experts_token_groups_of_the_wider_variants_and_their_tails_match_the_oracle(group):
+  """Capacity 64 (two CTAs per SM, 32-row passes: `abi.PASS_TIERS`): token groups of 8; T = 33, 37, 45 and 64 end
+  in a group of 1, 5, 5 and 8 tokens. Capacity 256 (one CTA per SM): token groups of 16, two n-tiles per weight
+  decode; T = 129, 133, 141 and 144 end in a group of 1, 5, 13 and 16 tokens (the one-token, one-n-tile and
+  two-n-tile bodies)."""
+  for tokens in (33, 37, 45, 64, 129, 133, 141, 144):
     shape = dataclasses.replace(SMALL, tokens=tokens, shared_intermediate=256, shared_group=group)
     p = make_problem("default", shape, seed=tokens)
     x, w, r = quantized(p)
@@ -173,7 +175,7 @@ def _paper_weights(model, shared):
 
 @pytest.mark.parametrize("model", sorted(PAPER))
 @pytest.mark.parametrize("shared", [False, True], ids=["routed", "shared"])
-@pytest.mark.parametrize("batch", [1, 2, 8, 32, 64, 256])  # one per token capacity but 16, and the halves of B = 2
+@pytest.mark.parametrize("batch", [1, 2, 8, 32, 64, 100, 256])  # one per token capacity but 16, and the halves of B = 2
 def test_paper_per_rank_shapes(model, shared, batch):
   h, i, e, k = PAPER[model]
   w = _paper_weights(model, shared)

@@ -27,7 +27,7 @@ needs_dsl = pytest.mark.skipif(_NO_DSL is not None, reason=_NO_DSL or "")
 
 SMALL = Variant(hidden=512, intermediate=256, experts=8, top_k=4, capacity=16)
 SMALL_SHARED = Variant(512, 256, 8, 4, 16, shared_intermediate=256, shared_group=32)
-WIDE_SHARED = Variant(512, 256, 8, 4, 64, shared_intermediate=256, shared_group=32)  # one CTA per SM, 8-tile passes
+WIDE_SHARED = Variant(512, 256, 8, 4, 256, shared_intermediate=256, shared_group=32)  # one CTA per SM, 8-tile passes
 ROLE_ENTRIES = ("gcmoe_role1_dispatch_v1", f"gcmoe_role2_compute_{build.generation()}", "gcmoe_role3_finalize_v1")
 
 
@@ -558,7 +558,7 @@ def test_a_shared_expert_of_an_odd_number_of_k128_tiles_compiles(cache):
 def test_the_twoplane_ablation_has_four_mmas_per_block_in_wide_passes(cache, monkeypatch):
   """GCMOE_ABLATION=twoplane (timing only: the instruction mix of two FP16 digit planes, docs/kernels_v2.md) gives
   the passes of more than two n-tiles 4 int8 MMAs per block instead of 3 and one FMA instead of the magic-number
-  conversions, under its own key; the capacity-64 shared-expert variant has 8-tile passes (at most a stack slot
+  conversions, under its own key; the capacity-256 shared-expert variant has 8-tile passes (at most a stack slot
   spilled in the role 2 of 255 registers: 8 B since session 23, against none in the normal build)."""
   normal = build.compile_variant("sm_90a", WIDE_SHARED, cache_dir=cache)
   monkeypatch.setenv("GCMOE_ABLATION", "twoplane")
@@ -639,9 +639,9 @@ def test_the_timeline_reads_the_kernels_token_groups():
   from gcmoe_jax.bench import timeline
   from gcmoe_jax.kernels import roles_v2
 
-  for cap in (8, 16, 32, 64, 256):
+  for cap in (8, 16, 32, 64, 128, 256):
     v = dataclasses.replace(SMALL_SHARED, capacity=cap)
-    assert roles_v2.RoleKernelsV2(v).sh.tokens == timeline.shared_group_tokens(cap), cap
+    assert roles_v2.RoleKernelsV2(v).sh.tokens == timeline.shared_group_tokens(cap, v.top_k, v.experts), cap
 
 
 def test_the_spill_frame_allows_one_alignment_hole():
@@ -726,9 +726,10 @@ def test_every_preset_names_valid_distinct_variants():
 
 @needs_dsl
 def test_an_ablation_build_may_spill_more_than_a_normal_one(monkeypatch):
-  """The spill guard: two-CTA role 2 may spill `_SPILL_BUDGET` (48 B) in a normal build, in a frame with at most
-  one 4-byte alignment hole (`build.spill_frame`), and `_ABLATION_SPILL_BUDGET` (128 B) plus a stack slot in a
-  GCMOE_ABLATION build (timing or diagnostic only, at any CTAs per SM); the message names the bound."""
+  """The spill guard: two-CTA role 2 may spill `_SPILL_BUDGET` (48 B) in a normal build, `_WIDE_SPILL_BUDGET`
+  (160 B) where its widest pass has 4 n-tiles, in a frame with at most one 4-byte alignment hole
+  (`build.spill_frame`), and `_ABLATION_SPILL_BUDGET` (192 B) plus a stack slot in a GCMOE_ABLATION build (timing
+  or diagnostic only, at any CTAs per SM); the message names the bound."""
   entry = {"name": "k", "reqntid": [256, 1, 1],
            "params": [{"type": t, "decl": f"{t} p{i}"} for i, t in enumerate(build._PTX_PARAM_TYPES)]}
   res = lambda spill, local: {"registers": 128, "spill_bytes": spill, "local_bytes": local, "static_smem": 0}
@@ -737,12 +738,15 @@ def test_an_ablation_build_may_spill_more_than_a_normal_one(monkeypatch):
   with pytest.raises(BuildError, match=r"spills 96 B .*at most 48 B\)"):
     build._check_role(2, SMALL, "sm_90a", entry, res(96, 96), ctas=2)
   build._check_role(2, SMALL, "sm_90a", entry, res(32, 40), ctas=2)  # 0x0-0x24 with a hole at 0xc
+  build._check_role(2, SMALL, "sm_90a", entry, res(144, 152), ctas=2, pass_tiles=4)
+  with pytest.raises(BuildError, match=r"spills 168 B .*at most 160 B\)"):
+    build._check_role(2, SMALL, "sm_90a", entry, res(168, 168), ctas=2, pass_tiles=4)
   with pytest.raises(BuildError, match="64 B of local memory"):
     build._check_role(2, SMALL, "sm_90a", entry, res(48, 64), ctas=2)
   monkeypatch.setenv("GCMOE_ABLATION", "stagebar")
   build._check_role(2, SMALL, "sm_90a", entry, res(96, 104), ctas=2)
-  with pytest.raises(BuildError, match="at most 128 B in an ablation build"):
-    build._check_role(2, SMALL, "sm_90a", entry, res(136, 136), ctas=2)
+  with pytest.raises(BuildError, match="at most 192 B in an ablation build"):
+    build._check_role(2, SMALL, "sm_90a", entry, res(200, 200), ctas=2)
   build._check_role(2, SMALL, "sm_90a", entry, res(8, 8), ctas=1)  # a timing build at 255 registers
   monkeypatch.delenv("GCMOE_ABLATION")
   with pytest.raises(BuildError, match="must not spill"):  # one-CTA kernels of a normal build never spill

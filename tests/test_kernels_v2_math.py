@@ -5,6 +5,8 @@ rests on, over every E2M1 code and E4M3 value and the worst-case sums: the prmt 
 magic-number conversion bounds, and the fast path's exponent window.
 """
 
+import dataclasses
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -401,17 +403,42 @@ def test_shared_two_token_block_dots_equal_the_oracle():
         assert got[tok][row].view(np.uint32) == want.view(np.uint32), (tok, wrows[row], xb[tok], got[tok][row], want)
 
 
+def test_role2_pass_width_follows_the_rows_per_expert():
+  """sm_90a (`abi.PASS_TIERS`): two CTAs per SM and passes of 16 rows up to r = ceil(C k / E) = 8 rows per expert
+  at the token capacity C, of 32 rows up to r = 32, else one CTA and 64 rows; the 32-row variants' pipeline holds
+  four stages of the 4-tile pass in the SMEM of one of two CTAs. The fused transport and sm_120a keep the rule by
+  capacity (two CTAs up to 32 tokens)."""
+  from gcmoe_jax.kernels.build import Variant
+  want = {(6144, 2048, 32, 8): {8: (2, 2), 32: (2, 2), 64: (4, 2), 128: (4, 2), 256: (8, 1)},  # GLM5.2 per rank
+          (5120, 2304, 48, 6): {8: (2, 2), 64: (2, 2), 128: (4, 2), 256: (4, 2)}}  # DSV4.1-Flash per rank
+  for (h, i, e, k), tiers in want.items():
+    for cap, tier in tiers.items():
+      kern = r2.RoleKernelsV2(Variant(h, i, e, k, cap))
+      assert (kern.nt_max, kern.ctas_per_sm(2)) == tier == abi.pass_tier(cap, k, e), (h, cap)
+      if kern.ctas == 2:
+        assert 2 * (kern.dynamic_smem(2) + r2.STATIC_SMEM + 1024) <= 228 * 1024  # two CTAs share the SM's SMEM
+      assert r2.stages(kern.nt_max, kern.pipe_bytes) == {2: 6, 4: 4, 8: 4}[kern.nt_max]
+      assert r2.stages(1, kern.pipe_bytes) == {2: 8, 4: 7, 8: 8}[kern.nt_max]
+  glm = Variant(6144, 2048, 32, 8, 64)
+  assert abi.pass_tier(64, 8, 32, "onecta") == (8, 1) and abi.pass_tier(32, 8, 32, "onecta") == (2, 2)
+  assert r2.RoleKernelsV2(glm, "sm_120a").ctas_per_sm(2) == 1
+  assert r2.RoleKernelsV2(dataclasses.replace(glm, capacity=32), "sm_120a").ctas_per_sm(2) == 2
+  fused = r2.RoleKernelsV2(dataclasses.replace(glm, ranks=2))
+  assert (fused.nt_max, fused.ctas) == (8, 1)
+
+
 def test_shared_expert_smem_fits_the_pipeline_area_and_sm120():
   """The shared-expert items run in the pipeline's SMEM (sm_90a) and within SM120's per-CTA budget; the one-CTA
   sm_90a variants take token groups of two n-tiles, the others one."""
   from gcmoe_jax.kernels.build import Variant
   for arch in ("sm_90a", "sm_120a"):
-    for shape in ((512, 256, 8, 4, 16, 256, 128), (512, 256, 8, 4, 64, 256, 32), (6144, 2048, 32, 8, 32, 2048, 128),
+    for shape in ((512, 256, 8, 4, 16, 256, 128), (512, 256, 8, 4, 64, 256, 32), (512, 256, 8, 4, 256, 256, 32),
+                  (6144, 2048, 32, 8, 32, 2048, 128), (6144, 2048, 32, 8, 128, 2048, 128),
                   (6144, 2048, 32, 8, 256, 2048, 128)):
       h, i, e, k, t, s, g = shape
       kern = r2.RoleKernelsV2(Variant(hidden=h, intermediate=i, experts=e, top_k=k, capacity=t,
                                       shared_intermediate=s, shared_group=g), arch)
-      wide = arch == "sm_90a" and t > r2.SMALL_CAPACITY
+      wide = arch == "sm_90a" and abi.pass_tier(t, k, e)[1] == 1  # more than 32 rows per expert at capacity t
       assert kern.ctas_per_sm(2) == (1 if wide or arch != "sm_90a" else 2)
       assert kern.sh.tokens == (r2.SH_TOKENS_WIDE if wide else r2.SH_TOKENS)
       assert kern.shared_smem == (r2.SH_BYTES_WIDE if wide else r2.SH_BYTES)

@@ -88,7 +88,12 @@ def test_call_ranges_count_the_shared_items_of_the_token_groups():
   assert timeline.call_ranges(640, 8, 32, 48) == timeline.item_ranges(256, 384)
   with pytest.raises(ValueError, match="800 items, expected 960 for 8 experts"):
     timeline.call_ranges(800, 8, 32, 48, 64, 96, tokens=1)
-  assert [timeline.shared_group_tokens(c) for c in (8, 16, 32, 64, 256)] == [8, 8, 8, 16, 16]
+  # Groups of 16 in the one-CTA variants: past r = C k / E = 32 rows per expert (`abi.PASS_TIERS`), or past
+  # capacity 32 with the rule before session 27.
+  caps = (8, 16, 32, 64, 128, 256)
+  assert [timeline.shared_group_tokens(c, 8, 32) for c in caps] == [8, 8, 8, 8, 8, 16]  # GLM5.2 per rank
+  assert [timeline.shared_group_tokens(c, 6, 48) for c in caps] == [8] * 6  # DSV4.1-Flash per rank
+  assert [timeline.shared_group_tokens(c, 8, 32, "onecta") for c in caps] == [8, 8, 8, 16, 16, 16]
 
 
 def test_item_stats_separate_the_kinds():

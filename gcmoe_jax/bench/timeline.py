@@ -128,10 +128,10 @@ def item_ranges(n1: int, n2: int, n_s1: int = 0, n_s2: int = 0,
   return out
 
 
-def shared_group_tokens(capacity: int) -> int:
+def shared_group_tokens(capacity: int, top_k: int, experts: int, ablation: str = "") -> int:
   """Tokens per shared-expert token group in role 2's sm_90a variant of token capacity ``capacity``: 16 in the
-  one-CTA variants (capacity above 32), else 8 (`roles_v2.RoleKernelsV2`'s ``sh``)."""
-  return 16 if capacity > 32 else 8
+  one-CTA variants (`abi.pass_tier`), else 8 (`roles_v2.RoleKernelsV2`'s ``sh``)."""
+  return 16 if abi.pass_tier(capacity, top_k, experts, ablation)[1] == 1 else 8
 
 
 def call_ranges(items: int, hit: int, j1: int, j2: int, n_cb: int = 0, n_hb: int = 0,
@@ -219,7 +219,8 @@ def _run(model: str, batches: Sequence[int], chain: int, shared: bool, save: str
     for layer, si in enumerate(order):
       hit = np.unique(ids_np[layer][ids_np[layer] >= 0]).size
       items = int(records(slots[si])[1][:, 4].sum())
-      ranges = call_ranges(items, hit, j1, j2, n_cb, n_hb, queue, b, shared_group_tokens(capacity))
+      group = shared_group_tokens(capacity, shape.top_k, shape.experts, _config.get("GCMOE_ABLATION"))
+      ranges = call_ranges(items, hit, j1, j2, n_cb, n_hb, queue, b, group)
       t = summarize(slots[si], ranges["routed GEMM1"])
       rows.append((b, layer, t))
       kinds.append((b, layer, item_stats(slots[si], ranges)))

@@ -27,7 +27,7 @@ from gcmoe_jax import geometry
 # I 2304, E 48, k 6) at every token capacity, with and without a shared expert (Is = I, group 128).
 _SMALL = (512, 256, 8, 4, 16)
 _PAPER = {"glm5.2": (6144, 2048, 32, 8), "dsv4.1-flash": (5120, 2304, 48, 6)}
-_PAPER_CAPACITIES = (8, 16, 32, 64, 256)
+_PAPER_CAPACITIES = (8, 16, 32, 64, 128, 256)
 _SHARED_GROUP = 128
 
 
@@ -40,7 +40,9 @@ def _preset_tests() -> list[tuple[int, ...]]:
   out += [(*_SMALL[:3], k, 256) for k in (1, 4)]  # T > 256 in chunks of 256 (test_cuda.py)
   out.append((*_SMALL[:3], 4, 16, 384, 128))  # a shared GEMM2 of an odd number of K128 tiles (Is = 384)
   out.append((640, *_SMALL[1:3], 4, 8, 256, 32))  # a one-token half's last K step of one K128 tile of four (H = 640)
-  out += [(*_SMALL[:3], 4, 64, 256, g) for g in (128, 32)]  # the shared expert's token groups of two n-tiles
+  # The shared expert's token groups in 32-row-pass variants (groups of 8, capacity 64) and in one-CTA ones (groups
+  # of 16, two n-tiles per weight decode, capacity 256).
+  out += [(*_SMALL[:3], 4, cap, 256, g) for cap in (64, 256) for g in (128, 32)]
   for h, i, e, k in _PAPER.values():
     for cap in _PAPER_CAPACITIES:
       out += [(h, i, e, k, cap), (h, i, e, k, cap, i, _SHARED_GROUP)]
@@ -59,11 +61,11 @@ def _preset_multigpu() -> list[tuple[int, ...]]:
   op runs k = 1 over R * B * k rows (small shape: E/R = 8, B = 4, k = 1..4: 8 to 128 rows; the paper models at
   L = E / R, B = 1..16: up to 256 rows at R = 2), the owner's shared expert over B rows, and the fused transport's
   variants of the small shape."""
-  small = [(512, 256, 8, 1, cap) for cap in (8, 16, 32, 64, 256)] + [(512, 256, 8, 1, 8, 256, 128)]
+  small = [(512, 256, 8, 1, cap) for cap in _PAPER_CAPACITIES] + [(512, 256, 8, 1, 8, 256, 128)]
   # The fused transport across the GPUs (test_fused_transport_over_all_gpus_equals_the_oracle): L = 8, k = 4, B = 4.
   fused = [(512, 256, 8, 4, 8, None, None, r) for r in (2, 4, 8)]
   return small + fused + [(m.H, m.I, m.E // r, 1, cap) for m in geometry.MODELS.values() for r in (2, 4, 8)
-                          for cap in (16, 32, 64, 256)]
+                          for cap in _PAPER_CAPACITIES[1:]]
 
 
 def _preset_fused() -> list[tuple[int, ...]]:

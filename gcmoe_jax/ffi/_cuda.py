@@ -27,7 +27,7 @@ from gcmoe_jax.ffi import _library
 from gcmoe_jax.kernels import abi, build
 
 # Token capacities the variants are built for: decode batches up to 256 tokens per rank (the paper's range).
-CAPACITIES = (8, 16, 32, 64, 256)
+CAPACITIES = (8, 16, 32, 64, 128, 256)
 # Compute capability -> the cubin architecture (the MMA seam: sm_90a on Hopper, sm_120a on SM120).
 ARCHS = {(9, 0): "sm_90a", (12, 0): "sm_120a", (12, 1): "sm_121a"}
 

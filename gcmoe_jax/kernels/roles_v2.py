@@ -91,8 +91,7 @@ __all__ = ["RoleKernelsV2", "stages"]
 THREADS = v1.THREADS  # 8 warps
 WARPS = THREADS // 32
 TILE_M = 16 * WARPS  # weight rows per item: one m16 tile per warp
-NT_MAX = 8  # n-tiles of 8 rows per pass over the weights (64 rows)
-SMALL_CAPACITY = 32  # variants up to this token capacity: passes of 16 rows and two CTAs per SM
+NT_MAX = abi.ROUTED_NT_MAX  # n-tiles of 8 rows per pass over the weights (64 rows)
 PLANES = abi.PLANES
 BLOCK_BYTES = PLANES * 32  # one (row, K32 block) of digit planes
 TOKEN_STRIDE = 4 * BLOCK_BYTES + 32  # SMEM bytes per token per K128 stage: padded so n-tile loads miss no bank twice
@@ -143,7 +142,9 @@ assert CTL_FILL + 4 <= CTRL_BYTES
 # in the layout `_weight_words` reads (16 B chunk c of row r at c ^ ((r >> 1) & 3)) only from a 512-aligned base.
 STAGE_ALIGN = 1024
 STATIC_SMEM = 1024  # a role kernel's static SMEM as the DSL emits it (the build reports it; `build-kernels --report`)
-PIPE_STAGES = (4, 6)  # stages that fit the pipeline area at the widest pass: 1 CTA per SM, 2 CTAs per SM
+# The pipeline area by CTAs per SM (1, 2), of which role 2 takes a whole number of its widest pass's stages: 4 of 64
+# rows at one CTA; 6 of 16 rows or 4 of 32 at two (all 96 KB at 32 rows left ptxas a spill reload in the stage loops).
+PIPE_AREA = (147456, 98304)
 
 # The fast path needs n + 127 in [1, 226] for every element: 2**n normal, f32(D) * 2**n exact and finite. It is
 # taken when every weight scale byte of the stage is in [64, 191] (bits 7 and 6 differ) and no row of the chunk is
@@ -224,6 +225,17 @@ PRMT_BYTES23 = 0x7362
 PRMT_HALVES_LO = 0x5410
 PRMT_HALVES_HI = 0x7632
 EXPAND_SELECT = 0x5140  # prmt selector of the sm_120a seam: bytes (w0, (w >> 4)0, w1, (w >> 4)1) of a 16-bit word
+
+
+def pass_tier(v: Variant, qmma: bool = False, ablation: str = "") -> tuple[int, int]:
+  """(n-tiles of the widest pass, CTAs per SM) of role 2 for variant ``v``: on sm_90a `abi.pass_tier` (by the rows
+  an expert receives at the variant's capacity); on sm_120a, and in the fused transport's variants (R > 1, whose
+  role 2 has the most code: their 32-row passes are not measured), two CTAs and passes of 16 rows up to capacity
+  `abi.SMALL_CAPACITY` (on sm_120a without a shared expert, whose 70 KB exceed a CTA's SMEM there at two per SM),
+  else one and 64 rows."""
+  if qmma or v.ranks > 1:
+    return (2, 2) if v.capacity <= abi.SMALL_CAPACITY and not (v.shared and qmma) else (NT_MAX, 1)
+  return abi.pass_tier(v.capacity, v.top_k, v.experts, ablation)
 
 
 def stage_bytes(nt: int, token_stride: int = TOKEN_STRIDE, w_bytes: int = W_BYTES) -> int:
@@ -734,15 +746,11 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     self.table = CTRL_BYTES
     # The dynamic SMEM is declared 1024-aligned (`STAGE_ALIGN`), and the pipeline starts at a multiple of it.
     self.pipe = -(-(CTRL_BYTES + 8 * v.experts) // STAGE_ALIGN) * STAGE_ALIGN
-    # Small variants (decode batches of at most 32 tokens, with or without the shared expert: since session 15 its
-    # items fit too) run passes of at most 16 rows with a 128-register budget, so two CTAs share an SM and hide
-    # each other's latencies; the others run 64-row passes (239-254 registers with the shared expert). At
-    # capacity 32 an expert hit by more than 16 tokens streams its weights once per 16 rows (rare under uniform
-    # routing: ~8 rows per expert at GLM5.2 B = 32). Not the sm_120a shared-expert variants: the shared items'
-    # 70 KB (`SH_BYTES`) exceed the ~47 KB a CTA gets there at two per SM.
-    small = v.capacity <= SMALL_CAPACITY and not (v.shared and self.qmma)
-    self.nt_max = 2 if small else NT_MAX
-    self.ctas = 2 if small else 1
+    # Variants whose experts receive few rows at their capacity run passes of at most 16 or 32 rows with a
+    # 128-register budget, so two CTAs share an SM and hide each other's latencies; the others run 64-row passes
+    # (239-254 registers with the shared expert) at one CTA (`pass_tier`). An expert hit by more rows than a pass
+    # holds streams its weights once per pass (rare under uniform routing: the tiers hold twice the mean or more).
+    self.nt_max, self.ctas = pass_tier(v, self.qmma, self.ablation)
     # The FP4 operand path of the sm_120a seam (paper §4.3), chosen by the geometry at the variant's design point
     # (B = its token capacity): the compact tile (raw nibbles, 64 B per K128 row, expanded in registers by prmt)
     # exactly for the tile_n tiers where its freed SMEM decides co-residency (`geometry.compact_weights`), the
@@ -838,7 +846,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
                          f"shared-expert path {self.shared_smem} B, budget {budget} B")
       self.pipe_bytes = n * stage_bytes(self.nt_max, self.token_stride, self.w_bytes)
     else:
-      self.pipe_bytes = PIPE_STAGES[self.ctas - 1] * stage_bytes(self.nt_max)
+      self.pipe_bytes = PIPE_AREA[self.ctas - 1] // stage_bytes(self.nt_max) * stage_bytes(self.nt_max)
 
   def tensormaps(self) -> list[dict[str, int | str]]:
     """Role 2's TensorMaps, in formal order after the ABI's (`abi.ROLE2_TENSORMAPS`): the W13 and W2 weight tiles.
@@ -2148,7 +2156,15 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       elif rem <= 16:
         self._chunk(g2, 2, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap)
       else:
-        if cutlass.const_expr(self.nt_max > 2 and self.odd_bodies):
+        if cutlass.const_expr(self.nt_max == 4):  # (`PASS_TIERS`: no body wider than the pass)
+          if cutlass.const_expr(self.odd_bodies):
+            if rem <= 24:
+              self._chunk(g2, 3, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap)
+            else:
+              self._chunk(g2, 4, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap)
+          else:
+            self._chunk(g2, 4, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap)
+        elif cutlass.const_expr(self.nt_max > 2 and self.odd_bodies):
           if rem <= 24:
             self._chunk(g2, 3, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap)
           elif rem <= 32:
