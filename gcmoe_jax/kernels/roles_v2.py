@@ -14,8 +14,9 @@ so f32(T) and f32(S2) are exact subtractions, f32(D) one FMA, and the scaled add
 emulated on sm_90 and FP8 ``wgmma`` sums with fewer bits than FP32 (its K32 sums are not exact); int8 MMAs are
 exact and native.
 
-**Role 2, CTAs of 256 threads (8 warps)**: one per compute SM with passes of up to 64 rows, or, for variants of
-token capacity <= 32 (decode batches; on sm_120a routed-only ones), two per SM with passes of up to 16 rows at <= 128
+**Role 2, CTAs of 256 threads (8 warps)**: one per compute SM with passes of up to 64 rows, or, for variants whose
+experts receive at most 32 rows at their token capacity (`abi.PASS_TIERS`; on sm_120a and in the fused transport
+routed-only variants of capacity <= 32), two per SM with passes of up to 16 or 32 rows at <= 128
 registers (build.py applies the .minnctapersm/.maxnreg rewrites of paper §5.1; twice the warps hide the MMA and SMEM
 latencies better where the work per stage is small).
 
