@@ -720,7 +720,7 @@ def test_every_preset_names_valid_distinct_variants():
            for v in (Variant(*f) for f in build_kernels.PRESETS["fused-paper"]())}
   for m in geometry.MODELS.values():
     for r in (2, 4, 8):
-      for cap in (8, 16, 32, 64, 256):
+      for cap in (8, 16, 32, 64, 128, 256):
         assert paper[(m.H, m.E // r, r, cap)] == geometry.relay_staging(r, cap, cap, m.k, m.E // r, m.H, False)[0]
 
 

@@ -421,6 +421,10 @@ def test_role2_pass_width_follows_the_rows_per_expert():
       assert r2.stages(1, kern.pipe_bytes) == {2: 8, 4: 7, 8: 8}[kern.nt_max]
   glm = Variant(6144, 2048, 32, 8, 64)
   assert abi.pass_tier(64, 8, 32, "onecta") == (8, 1) and abi.pass_tier(32, 8, 32, "onecta") == (2, 2)
+  # k = 1 (the expert-parallel local op, its chunks sorted by expert): by capacity, as before session 27.
+  assert abi.pass_tier(256, 1, 32) == abi.pass_tier(64, 1, 8) == (8, 1) and abi.pass_tier(32, 1, 32) == (2, 2)
+  assert (r2.RoleKernelsV2(Variant(512, 256, 8, 1, 256)).nt_max, abi.pass_tier(256, 4, 8)) == (8, (8, 1))
+  assert abi.pass_tier(64, 4, 8) == abi.pass_tier(16, 8, 8) == (4, 2)  # the small shape's 32-row variants
   assert r2.RoleKernelsV2(glm, "sm_120a").ctas_per_sm(2) == 1
   assert r2.RoleKernelsV2(dataclasses.replace(glm, capacity=32), "sm_120a").ctas_per_sm(2) == 2
   fused = r2.RoleKernelsV2(dataclasses.replace(glm, ranks=2))

@@ -20,13 +20,15 @@ import sys
 import numpy as np
 
 from gcmoe_jax.bench import timeline as tl
+from gcmoe_jax.ffi import _cuda
 from gcmoe_jax.kernels import abi
 
 
-def measured(words, hit, j1, j2, n_cb, n_hb, order, tokens):
-  """Per-kind pure work times (us): GEMM1 claim to end, GEMM2 from the end of its wait to its end."""
+def measured(words, hit, j1, j2, n_cb, n_hb, order, tokens, group):
+  """Per-kind pure work times (us): GEMM1 claim to end, GEMM2 from the end of its wait to its end (``group``: the
+  variant's shared-expert token group, `timeline.shared_group_tokens`)."""
   _, c, t0, rec = tl.records(words)
-  r = tl.call_ranges(len(rec), hit, j1, j2, n_cb, n_hb, order, tokens, tl.shared_group_tokens(tokens))
+  r = tl.call_ranges(len(rec), hit, j1, j2, n_cb, n_hb, order, tokens, group)
   n_tg = (r["shared GEMM1"][1] - r["shared GEMM1"][0]) // n_cb
   pick = lambda k: rec[(rec[:, 0] >= r[k][0]) & (rec[:, 0] < r[k][1])]
   r1, s1, r2, s2 = (pick(k) for k in ("routed GEMM1", "shared GEMM1", "routed GEMM2", "shared GEMM2"))
@@ -82,7 +84,8 @@ if __name__ == "__main__":
     recorded = abi.item_order(b, recorded_as)  # B <= 32 iff the variant's capacity is
     for layer in range(len(z[key])):
       hit = hit_of(z[f"ids_b{b}"], layer)
-      work, start, end, ctas, n_tg = measured(z[key][layer], hit, j1, j2, n_cb, n_hb, recorded, b)
+      group = tl.shared_group_tokens(_cuda.capacity_for(b), 8, 32, recorded_as)  # GLM5.2: k 8, E 32
+      work, start, end, ctas, n_tg = measured(z[key][layer], hit, j1, j2, n_cb, n_hb, recorded, b, group)
       args = (work, start, ctas, hit, j1, j2, n_tg, n_cb, n_hb)
       d = simulate(("R1", "S1", "R2", "S2"), *args)
       f = simulate(("S1", "R1", "S2", "R2"), *args)

@@ -51,7 +51,7 @@ def _preset_tests() -> list[tuple[int, ...]]:
 
 def _preset_paper() -> list[tuple[int, ...]]:
   """The paper's 18 decode points of both models, routed and with the shared expert: the token capacities 8, 16,
-  32, 64 and 256 hold B = 1..256."""
+  32, 64, 128 and 256 hold B = 1..256."""
   return [v for h, i, e, k in _PAPER.values() for cap in _PAPER_CAPACITIES
           for v in ((h, i, e, k, cap), (h, i, e, k, cap, i, _SHARED_GROUP))]
 

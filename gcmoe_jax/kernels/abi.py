@@ -244,17 +244,19 @@ SHARED_FIRST_TOKENS = 32
 # (the paper's eq. 1, which also picks its tile_n tier): (r up to, n-tiles of 8 rows, CTAs per SM). Passes narrower
 # than 64 rows run two CTAs per SM at 128 registers (twice the warps per scheduler) where the experts' rows fit
 # them; past the last tier, passes of 64 rows (`ROUTED_NT_MAX` n-tiles) at one CTA, whose decode is shared by more
-# tokens. Measured on the H200 (docs/kernels_v2.md "Pass width by rows per expert").
+# tokens. Measured on the H200 (docs/kernels_v2.md "Pass width by rows per expert") for top-k > 1. Not for k = 1,
+# the expert-parallel local op, whose rows `ffi._moe.in_chunks` sorts by expert past 256: a chunk's experts then
+# receive more rows than C k / E, so those variants keep the rule by capacity.
 PASS_TIERS = ((8, 2, 2), (32, 4, 2))
 ROUTED_NT_MAX = 8
 SMALL_CAPACITY = 32  # the rule before session 27 (and sm_120a's): two CTAs per SM up to this token capacity
 
 
 def pass_tier(capacity: int, top_k: int, experts: int, ablation: str = "") -> tuple[int, int]:
-  """(n-tiles of role 2's widest pass, CTAs per SM) of an sm_90a variant by `PASS_TIERS`; ``ablation`` ``onecta``:
-  the rule before session 27 (two CTAs and passes of 16 rows up to capacity `SMALL_CAPACITY`, else one and 64
-  rows), for A/B timing."""
-  if ablation == "onecta":
+  """(n-tiles of role 2's widest pass, CTAs per SM) of an sm_90a variant by `PASS_TIERS`; for k = 1, or with
+  ``ablation`` ``onecta`` (for A/B timing), the rule before session 27: two CTAs and passes of 16 rows up to
+  capacity `SMALL_CAPACITY`, else one and 64 rows."""
+  if ablation == "onecta" or top_k == 1:
     return (2, 2) if capacity <= SMALL_CAPACITY else (ROUTED_NT_MAX, 1)
   r = -(-capacity * top_k // experts)
   for rows, nt, ctas in PASS_TIERS:

@@ -15,8 +15,8 @@ emulated on sm_90 and FP8 ``wgmma`` sums with fewer bits than FP32 (its K32 sums
 exact and native.
 
 **Role 2, CTAs of 256 threads (8 warps)**: one per compute SM with passes of up to 64 rows, or, for variants whose
-experts receive at most 32 rows at their token capacity (`abi.PASS_TIERS`; on sm_120a and in the fused transport
-routed-only variants of capacity <= 32), two per SM with passes of up to 16 or 32 rows at <= 128
+experts receive at most 32 rows at their token capacity (`abi.PASS_TIERS`; for k = 1 and in the fused transport
+variants of capacity <= 32, on sm_120a routed-only ones), two per SM with passes of up to 16 or 32 rows at <= 128
 registers (build.py applies the .minnctapersm/.maxnreg rewrites of paper §5.1; twice the warps hide the MMA and SMEM
 latencies better where the work per stage is small).
 
