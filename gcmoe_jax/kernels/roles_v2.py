@@ -750,7 +750,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # Variants whose experts receive few rows at their capacity run passes of at most 16 or 32 rows with a
     # 128-register budget, so two CTAs share an SM and hide each other's latencies; the others run 64-row passes
     # (239-254 registers with the shared expert) at one CTA (`pass_tier`). An expert hit by more rows than a pass
-    # holds streams its weights once per pass (rare under uniform routing: the tiers hold twice the mean or more).
+    # holds streams its weights once per pass: under uniform routing few do at r = 8 in 16-row passes, about half at
+    # r = 32 in 32-row ones (DSV4.1-Flash B = 256), which two CTAs still run faster than one (docs/kernels_v2.md).
     self.nt_max, self.ctas = pass_tier(v, self.qmma, self.ablation)
     # The FP4 operand path of the sm_120a seam (paper §4.3), chosen by the geometry at the variant's design point
     # (B = its token capacity): the compact tile (raw nibbles, 64 B per K128 row, expanded in registers by prmt)
