@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from gcmoe_jax import geometry
+
 __all__ = ["HEADER", "PARAMS", "Workspace", "active_queue", "arrivals", "counter_words", "fused_counters",
            "item_order", "pull_cache", "queue_counter", "relay_counters", "workspace_layout", "SILU_TABLE_ENTRIES"]
 
@@ -252,13 +254,14 @@ ROUTED_NT_MAX = 8
 SMALL_CAPACITY = 32  # the rule before session 27 (and sm_120a's): two CTAs per SM up to this token capacity
 
 
-def pass_tier(capacity: int, top_k: int, experts: int, ablation: str = "") -> tuple[int, int]:
-  """(n-tiles of role 2's widest pass, CTAs per SM) of an sm_90a variant by `PASS_TIERS`; for k = 1, or with
-  ``ablation`` ``onecta`` (for A/B timing), the rule before session 27: two CTAs and passes of 16 rows up to
-  capacity `SMALL_CAPACITY`, else one and 64 rows."""
-  if ablation == "onecta" or top_k == 1:
+def pass_tier(capacity: int, top_k: int, experts: int, ablation: str = "", *,
+              by_rows: bool = True) -> tuple[int, int]:
+  """(n-tiles of role 2's widest pass, CTAs per SM) of a variant by `PASS_TIERS`; for k = 1, without ``by_rows``
+  (sm_120a, the fused transport: `roles_v2.pass_tier`), or with ``ablation`` ``onecta`` (for A/B timing), the rule
+  before session 27: two CTAs and passes of 16 rows up to capacity `SMALL_CAPACITY`, else one and 64 rows."""
+  if not by_rows or ablation == "onecta" or top_k == 1:
     return (2, 2) if capacity <= SMALL_CAPACITY else (ROUTED_NT_MAX, 1)
-  r = -(-capacity * top_k // experts)
+  r = geometry.rows_per_expert(capacity, top_k, experts)
   for rows, nt, ctas in PASS_TIERS:
     if r <= rows:
       return nt, ctas

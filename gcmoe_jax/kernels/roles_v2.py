@@ -234,9 +234,9 @@ def pass_tier(v: Variant, qmma: bool = False, ablation: str = "") -> tuple[int, 
   role 2 has the most code: their 32-row passes are not measured), two CTAs and passes of 16 rows up to capacity
   `abi.SMALL_CAPACITY` (on sm_120a without a shared expert, whose 70 KB exceed a CTA's SMEM there at two per SM),
   else one and 64 rows."""
-  if qmma or v.ranks > 1:
-    return (2, 2) if v.capacity <= abi.SMALL_CAPACITY and not (v.shared and qmma) else (NT_MAX, 1)
-  return abi.pass_tier(v.capacity, v.top_k, v.experts, ablation)
+  if qmma and v.shared:
+    return NT_MAX, 1
+  return abi.pass_tier(v.capacity, v.top_k, v.experts, ablation, by_rows=not qmma and v.ranks == 1)
 
 
 def stage_bytes(nt: int, token_stride: int = TOKEN_STRIDE, w_bytes: int = W_BYTES) -> int:
