@@ -91,6 +91,36 @@ def test_back_to_back_runs_chain_each_program_on_the_previous_output():
   assert len(one) == 1 and len(seen) == 25 + 2
 
 
+def test_marginal_timing_separates_the_per_program_time_from_what_a_run_pays_once(monkeypatch):
+  """`time_marginal` times pairs of runs of d and 2 d programs: their difference over d is one program's time, and
+  2 t(d) - t(2 d) what a run pays once, whichever run of a pair goes first."""
+  clock = [0.0]
+  monkeypatch.setattr(sweep.time, "perf_counter", lambda: clock[0])
+  depths = []
+
+  def step(x, inc):
+    if x[0] == 1.0:  # a run's first program: its dispatch and the final wait cost 5 s once per run
+      clock[0] += 5.0
+      depths.append(0)
+    clock[0] += 0.25  # each program: 0.25 s
+    depths[-1] += 1
+    return x + inc
+
+  per_program, per_run = sweep.time_marginal(step, (jnp.ones(4), jnp.full(4, 2.0)), iters=3, warmup=1, depth=4)
+  assert per_program == [0.25] * 3 and per_run == [5.0] * 3
+  assert depths == [4, 8, 4, 8, 8, 4, 4, 8]  # warm-up pair, then the longer run first in every other pair
+  # With a per-run cost F, one run's time per program (`time_back_to_back`) keeps F / d in it.
+  assert sweep.time_back_to_back(step, (jnp.ones(4), jnp.full(4, 2.0)), iters=1, warmup=1, depth=4) == [
+    0.25 + 5.0 / 4]
+
+
+def test_a_point_whose_longer_runs_were_not_slower_says_so(monkeypatch):
+  monkeypatch.setattr(sweep, "time_marginal", lambda *a, **k: ([-1e-6, 0.0], [1e-3, 1e-3]))
+  rows = sweep.run(TINY, (1,), ("ragged_dot",), iters=2, warmup=1, bandwidth=2e10, fp8_rate=1e18, chain=2,
+                   progress=False)
+  assert rows[0].note == sweep.NOT_POSITIVE_NOTE and rows[0].run_overhead_us == pytest.approx(1e3)
+
+
 def test_sweep_writes_csv_png_and_table(tiny_rows, tmp_path):
   sweep.write_csv(tiny_rows, tmp_path / "b.csv")
   sweep.plot(tiny_rows, tmp_path / "b.png", title="tiny")

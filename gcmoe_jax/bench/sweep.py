@@ -10,14 +10,17 @@ One run times, on the default device, for every batch B in the sweep:
 Timing, as a decode step runs layers: one jitted program chains ``chain`` layers on a pre-norm residual stream
 (x_n = x_{n-1} + layer(rmsnorm(x_{n-1})), one fused add and norm per layer for every implementation), every layer
 with its own routes and alternating between two copies of the weights, so no layer finds its weights in L2 and no
-input repeats. The program is compiled and run ``warmup`` times, then ``iters`` times; the latency of a point is
-the median over those runs of (run time / (``back_to_back`` x ``chain``)). A run dispatches ``back_to_back``
-programs, each reading the previous one's output as its residual stream, as a jitted decode loop does, and ends
-with one `block_until_ready` (the only host synchronisation in the timed region; inputs live on the device
-beforehand). So the host's dispatch of a program overlaps the device's work on the one before, and what is timed
-approaches the device time per layer (what CUDA events around the layers would measure); ``back_to_back=1`` times
-each program alone, its dispatch and final synchronisation included (the tables before 2026-12-03). A point whose
-output is not finite says so in its note.
+input repeats. A run dispatches programs back to back, each reading the previous one's output as its residual
+stream, as a jitted decode loop does, and ends with one `block_until_ready` (the only host synchronisation in the
+timed region; inputs live on the device beforehand), so the host's dispatch of a program overlaps the device's
+work on the one before. The program is compiled and run ``warmup`` times, then ``iters`` pairs of runs of
+``back_to_back`` and ``2 back_to_back`` programs are timed (`time_marginal`); the latency of a point is the median
+over the pairs of (the longer run's time less the shorter one's) / (``back_to_back`` x ``chain``): the device time
+per layer of a long decode loop, what CUDA events around the layers would measure, without what a run pays once
+(the first program's dispatch, the final wait; its median is the row's ``run_overhead_us``). Until 2026-12-04 the
+latency was run time / (``back_to_back`` x ``chain``) of one run, which kept 1 / (4 x 8) of that once-per-run cost
+in every layer: 5-8 % of GLM5.2's per-rank layer at B = 1..8 on the H200 (docs/perf.md, session 28). A point
+whose output is not finite, or whose longer runs were not slower (noise), says so in its note.
 
 The floor of a batch is the larger of two times (issue 6):
 
@@ -52,7 +55,8 @@ from gcmoe_jax.bench import baselines
 from gcmoe_jax.bench.problems import DEMO_SHAPE, make_routes
 
 __all__ = ["BASELINES", "IMPLS", "BenchShape", "Row", "default_impls", "measure_bandwidth", "measure_fp8_rate",
-           "time_back_to_back", "expert_bytes", "model_shape", "plot", "run", "to_markdown", "write_csv"]
+           "time_back_to_back", "time_marginal", "expert_bytes", "model_shape", "plot", "run", "to_markdown",
+           "write_csv"]
 
 BASELINES = ("ragged_dot", "dense_gather")
 IMPLS = (*BASELINES, "emulated", *(f"gcmoe:{b}" for b in api.BACKENDS if b != "auto"))
@@ -61,9 +65,10 @@ DEFAULT_MAX_GATHER_BYTES = 8 << 30
 DEFAULT_CHAIN = 8
 DEFAULT_BACK_TO_BACK = 4
 NOT_FINITE_NOTE = "output not finite: the timed layers ran exceptional paths"
+NOT_POSITIVE_NOTE = "timing noise: the longer runs were not slower (raise --iters or --back-to-back)"
 CSV_COLUMNS = ("model", "device", "impl", "batch", "experts", "hidden", "intermediate", "top_k",
                "shared_intermediate", "distinct_experts", "weight_bytes", "bandwidth_gbs", "flops", "fp8_tflops",
-               "floor_us", "floor_term", "latency_us", "min_us", "latency_over_floor", "floor_pct",
+               "floor_us", "floor_term", "latency_us", "min_us", "run_overhead_us", "latency_over_floor", "floor_pct",
                *(f"speedup_vs_{b}" for b in BASELINES), "note")
 
 
@@ -130,27 +135,50 @@ def time_call(fn: Callable[..., Any], args: Sequence[Any], *, iters: int, warmup
   return time_back_to_back(fn, args, iters=iters, warmup=warmup, depth=1)
 
 
+def _run_seconds(fn: Callable[..., Any], args: Sequence[Any], depth: int) -> float:
+  """Seconds of one run: ``depth`` calls ``x = fn(x, *args[1:])`` from ``x = args[0]``, then a wait for the last."""
+  x = args[0]
+  rest = tuple(args[1:])
+  t0 = time.perf_counter()
+  for _ in range(depth):
+    x = fn(x, *rest)
+  jax.block_until_ready(x)
+  return time.perf_counter() - t0
+
+
 def time_back_to_back(fn: Callable[..., Any], args: Sequence[Any], *, iters: int, warmup: int,
                       depth: int) -> list[float]:
   """Seconds per program of each of ``iters`` runs after ``warmup`` untimed ones: a run dispatches ``depth`` calls,
   ``x = fn(x, *args[1:])`` from ``x = args[0]`` (so ``fn`` returns its first argument's shape and type), and waits
   for the last. With ``depth`` > 1 the device runs the programs back to back while the host dispatches the next."""
-  x0, rest = args[0], tuple(args[1:])
-
-  def once():
-    x = x0
-    for _ in range(depth):
-      x = fn(x, *rest)
-    return jax.block_until_ready(x)
-
   for _ in range(max(warmup, 1)):
-    once()
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    once()
-    times.append((time.perf_counter() - t0) / depth)
-  return times
+    _run_seconds(fn, args, depth)
+  return [_run_seconds(fn, args, depth) / depth for _ in range(iters)]
+
+
+def time_marginal(fn: Callable[..., Any], args: Sequence[Any], *, iters: int, warmup: int,
+                  depth: int) -> tuple[list[float], list[float]]:
+  """Seconds per program in a long decode loop, without the cost a run pays once: ``iters`` pairs of runs (as in
+  `time_back_to_back`) of ``depth`` and of ``2 depth`` programs, after ``warmup`` untimed pairs.
+
+  A run of d programs takes F + d P: P the time of one more program, F what the run pays once (the first
+  program's dispatch before the device starts, the final wait's wake-up, a device idle since the last run). Each
+  pair gives P = (t(2 d) - t(d)) / d and F = 2 t(d) - t(2 d); returned as (P per pair, F per pair). The longer run
+  goes first in every other pair, so neither always follows an idle device."""
+  for _ in range(max(warmup, 1)):
+    _run_seconds(fn, args, depth)
+    _run_seconds(fn, args, 2 * depth)
+  per_program, per_run = [], []
+  for i in range(iters):
+    if i % 2:
+      t2 = _run_seconds(fn, args, 2 * depth)
+      t1 = _run_seconds(fn, args, depth)
+    else:
+      t1 = _run_seconds(fn, args, depth)
+      t2 = _run_seconds(fn, args, 2 * depth)
+    per_program.append((t2 - t1) / depth)
+    per_run.append(2 * t1 - t2)
+  return per_program, per_run
 
 
 def measure_bandwidth(nbytes: int | None = None, *, iters: int = 10, passes: int = 8) -> float:
@@ -227,6 +255,7 @@ class Row:
   fp8_rate: float = math.inf  # FLOP/s
   latency_us: float = math.nan
   min_us: float = math.nan
+  run_overhead_us: float = math.nan  # what a timed run pays once (`time_marginal`'s F), not per layer
   speedup: dict[str, float] = dataclasses.field(default_factory=dict)
   note: str = ""
 
@@ -250,7 +279,8 @@ class Row:
          "shared_intermediate": s.shared_intermediate or 0, "distinct_experts": self.distinct_experts,
          "weight_bytes": self.weight_bytes, "bandwidth_gbs": self.bandwidth / 1e9, "flops": self.flops,
          "fp8_tflops": self.fp8_rate / 1e12, "floor_us": self.floor_us, "floor_term": self.floor_term,
-         "latency_us": self.latency_us, "min_us": self.min_us, "latency_over_floor": self.latency_over_floor,
+         "latency_us": self.latency_us, "min_us": self.min_us, "run_overhead_us": self.run_overhead_us,
+         "latency_over_floor": self.latency_over_floor,
          "floor_pct": 100.0 / self.latency_over_floor, "note": self.note}
     for b in BASELINES:
       d[f"speedup_vs_{b}"] = self.speedup.get(b, math.nan)
@@ -393,13 +423,14 @@ def run(shape: BenchShape, batches: Sequence[int], impls: Sequence[str] | None =
     shape: the layer (`model_shape` or a custom `BenchShape`).
     batches: tokens per call, B.
     impls: names from `IMPLS`; default `default_impls()`.
-    iters, warmup: timed calls (median reported) and untimed calls before them.
+    iters, warmup: timed pairs of runs (`time_marginal`; the median reported) and untimed pairs before them.
     seed: weights and routes seed (random, never zeros).
     bandwidth: bytes/s for the floor; measured with `measure_bandwidth` when None.
     bandwidth_nbytes: the probe's buffer size (`measure_bandwidth`'s default when None).
     fp8_rate: dense FP8 GEMM FLOP/s for the compute floor; measured with `measure_fp8_rate` when None.
     chain: layers per timed program (module docstring).
-    back_to_back: programs dispatched per timed run, each on the previous one's output (module docstring).
+    back_to_back: programs dispatched in the shorter run of a timed pair, each on the previous one's output (the
+      longer run dispatches twice as many; module docstring).
     max_gather_bytes: ``dense_gather`` is skipped (with a note) when one slot's gathered weights exceed this.
     progress: draw a progress bar on stderr.
 
@@ -440,13 +471,16 @@ def run(shape: BenchShape, batches: Sequence[int], impls: Sequence[str] | None =
       else:
         fn, args = _impl_call(impl, p, x, ids, rw)
         try:
-          times = time_back_to_back(fn, args, iters=iters, warmup=warmup, depth=back_to_back)
+          times, per_run = time_marginal(fn, args, iters=iters, warmup=warmup, depth=back_to_back)
           finite = bool(jnp.isfinite(fn(*args)).all())  # outside the timed runs
         except Exception as e:  # noqa: BLE001 - one failing point (e.g. out of memory) must not lose the sweep
           row.note = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         else:
           row.latency_us, row.min_us = 1e6 * statistics.median(times) / chain, 1e6 * min(times) / chain
-          if not finite:
+          row.run_overhead_us = 1e6 * statistics.median(per_run)
+          if not row.latency_us > 0:
+            row.note = NOT_POSITIVE_NOTE
+          elif not finite:
             row.note = NOT_FINITE_NOTE
       rows.append(row)
   if bar:

@@ -47,8 +47,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
   p.add_argument("--impl", type=_names, default=None,
                  help=f"comma list from {','.join(sweep.IMPLS)} (default: the baselines, emulated, and gcmoe:<b> "
                       "for every backend available here)")
-  p.add_argument("--iters", type=int, default=10, help="timed calls per point; the median is reported (default 10)")
-  p.add_argument("--warmup", type=int, default=2, help="untimed calls before timing, the first compiles (default 2)")
+  p.add_argument("--iters", type=int, default=10, help="timed pairs of runs per point; the median is reported (default 10)")
+  p.add_argument("--warmup", type=int, default=2, help="untimed pairs of runs before timing, the first compiles (default 2)")
   p.add_argument("--clamp", type=float, default=None, help="SwiGLU clamp (default: none)")
   p.add_argument("--seed", type=int, default=0, help="weights and routes seed")
   p.add_argument("--max-gather-gib", type=float, default=sweep.DEFAULT_MAX_GATHER_BYTES / 2**30,
@@ -62,8 +62,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
   p.add_argument("--chain", type=int, default=sweep.DEFAULT_CHAIN,
                  help=f"layers chained in one timed program (default {sweep.DEFAULT_CHAIN}; see the module docs)")
   p.add_argument("--back-to-back", type=int, default=sweep.DEFAULT_BACK_TO_BACK,
-                 help=f"programs dispatched per timed run, each on the previous one's output, so the host's dispatch "
-                      f"overlaps the device's work (default {sweep.DEFAULT_BACK_TO_BACK}; 1 times each program alone)")
+                 help=f"programs dispatched back to back in the shorter run of each timed pair, each on the "
+                      f"previous one's output, so the host's dispatch overlaps the device's work; the longer run "
+                      f"dispatches twice as many, and their difference is the latency without what a run pays once "
+                      f"(default {sweep.DEFAULT_BACK_TO_BACK})")
   p.add_argument("--out", default="bench-results", help="directory for the CSV and PNG (default bench-results)")
   custom = p.add_argument_group("custom shape (--model custom)")
   custom.add_argument("--experts", type=int, help="local experts E")
@@ -118,8 +120,9 @@ def run(args: argparse.Namespace) -> int:
   print(f"gcmoe_jax {gm.__version__} on jax {jax.__version__}, device: {device.device_kind} "
         f"({jax.default_backend()}, {os.cpu_count()} host CPUs)")
   print(shape.describe())
-  print(f"B = {','.join(map(str, batches))}; impls = {','.join(impls)}; median of {args.iters} runs of "
-        f"{args.back_to_back} back-to-back {args.chain}-layer programs after {args.warmup} warm-up")
+  print(f"B = {','.join(map(str, batches))}; impls = {','.join(impls)}; latency per layer: median over "
+        f"{args.iters} pairs of runs of {args.back_to_back} and {2 * args.back_to_back} back-to-back "
+        f"{args.chain}-layer programs (the difference), after {args.warmup} warm-up pairs")
   try:
     rows = sweep.run(shape, batches, impls, iters=args.iters, warmup=args.warmup, seed=args.seed,
                      bandwidth=None if args.bandwidth is None else args.bandwidth * 1e9,
