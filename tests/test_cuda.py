@@ -153,6 +153,25 @@ def test_nan_activation_poisons_only_its_token():
   assert np.isnan(y[5]).all() and np.isfinite(np.delete(y, 5, axis=0)).all()
 
 
+def test_passes_of_every_body_match_the_oracle_on_the_fast_and_the_slow_path():
+  """Experts hit by 1, 2, 3, 4, 5, 8, 12 and 13 rows: the one-, two- and four-row bodies (`roles_v2._stage`), the
+  1-tile body with and without padding slots, and 2-tile passes; token 5 scaled by 2**50, so its blocks' exponents
+  (GEMM1's, and GEMM2's after its SwiGLU) leave the fast path's range (`abi.FAST_EXP`) in passes of 4, 8, 12 and 13
+  rows."""
+  counts = (1, 2, 3, 4, 5, 8, 12, 13)
+  deal = [e for e in np.argsort(counts)[::-1] for _ in range(counts[e])]  # 48 = T k rows, the busiest expert first
+  ids = np.array(deal, np.int32).reshape(SMALL_GPU.top_k, SMALL_GPU.tokens).T  # token t: deal[t], deal[t + 12], ...
+  assert sorted(np.bincount(ids.ravel(), minlength=8)) == sorted(counts)
+  p = make_problem("default", SMALL_GPU, seed=8)
+  x, w, r = quantized(p)
+  x = x.at[5].multiply(2.0**50)
+  rw = jnp.asarray(np.random.default_rng(8).dirichlet(np.ones(SMALL_GPU.top_k), SMALL_GPU.tokens), jnp.float32)
+  y = gm.moe(x, w, gm.Routes(jnp.asarray(ids), rw), backend="cuda")
+  want = emulated(x, w, jnp.asarray(ids), rw, clamp=None)
+  _compare("rows 1, 2, 3, 4, 5, 8, 12, 13", y, want)
+  assert np.asarray(y[5], np.float32).any() and np.isfinite(np.asarray(y, np.float32)).all()
+
+
 PAPER = {"glm5.2": (6144, 2048, 32, 8), "dsv4.1-flash": (5120, 2304, 48, 6)}
 _PAPER_WEIGHTS = {}
 

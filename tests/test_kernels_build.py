@@ -131,11 +131,11 @@ def test_v2_role2_is_mma_over_its_targets_pipeline(built, arch):
   if arch == "sm_90a":
     # Two GEMMs x {fast, exact slow} stage x 4 K32 blocks x, per n-tile of each body, 3 digit planes: 2 MMAs each
     # in the split-decode bodies of 1 and 2 n-tiles, 1 in the bodies of 3, 4, 6 and 8 (absent in two-CTA variants);
-    # and the one-row and two-row bodies' single MMA pair each (the planes of their rows in one n-tile). The narrow
-    # bodies (1 and 2 n-tiles, one and two rows) compute two stages per CTA barrier in this routed variant, so their
-    # stage code is there twice.
+    # the one-row and two-row bodies' single MMA pair each (the planes of their rows in one n-tile) and the four-row
+    # body's two (planes 0, 1 and plane 2 of four slots). The narrow bodies (1 and 2 n-tiles, one to four rows)
+    # compute two stages per CTA barrier in this routed variant, so their stage code is there twice.
     mmas = re.findall(r"mma\.sync\.aligned\.m16n8k32\.row\.col\.s32\.s8\.s8\.s32", ptx)
-    assert len(mmas) == 2 * 2 * 4 * (2 * (6 * (1 + 2) + 2 + 2) + 3 * (0 if two_ctas else 3 + 4 + 6 + 8))
+    assert len(mmas) == 2 * 2 * 4 * (2 * (6 * (1 + 2) + 2 + 2 + 4) + 3 * (0 if two_ctas else 3 + 4 + 6 + 8))
   else:
     # The SM120 seam: one block-scaled QMMA per K32 block, the block picked by the byte-id immediate (0-3) of the
     # packed scale words; no int8 MMA, no slow stage.

@@ -194,6 +194,24 @@ def test_two_row_body_gives_each_lane_the_three_planes_of_its_slot_and_row():
     assert all(moved[(g, 0)] == (c % 2, g + 8 * (c // 2)) for g in range(8))
 
 
+def test_four_row_body_gives_each_lane_the_three_planes_of_its_slot_for_both_rows():
+  """`roles_v2._stage` with 3 or 4 rows: B fragment X (column n = slot n >> 1, plane n & 1) and Y (column n = slot
+  n >> 1, plane 2) leave lane t4 the planes of (slot t4, row g) and (slot t4, row g + 8) in its own registers; after
+  the K loop lanes t4 = 0, 1 gather the 1-tile layout, accumulator c = (slot 2 t4 + c % 2, row g + 8 (c // 2))."""
+  x = _c_fragment(lambda row, n: ("S%d" % r2.QUAD_X_PLANES[n], r2.QUAD_SLOT_COLUMNS[n], row))
+  y = _c_fragment(lambda row, n: ("S2", r2.QUAD_SLOT_COLUMNS[n], row))
+  for (g, t4), v in x.items():
+    w = y[(g, t4)]
+    assert (v[0], v[1], w[0]) == (("S0", t4, g), ("S1", t4, g), ("S2", t4, g)), (g, t4)
+    assert (v[2], v[3], w[2]) == (("S0", t4, g + 8), ("S1", t4, g + 8), ("S2", t4, g + 8)), (g, t4)
+  acc = {(g, t4): [(t4, g), (t4, g + 8)] for g in range(8) for t4 in range(4)}
+  for g in range(8):
+    for t4 in range(2):  # lanes t4 = 2, 3 gather padding slots 4-7
+      even, odd = (2 * t4) & 3, (2 * t4 + 1) & 3  # `_chunk`'s source lanes in the quad
+      moved = [acc[(g, even)][0], acc[(g, odd)][0], acc[(g, even)][1], acc[(g, odd)][1]]
+      assert moved == [(2 * t4 + c % 2, g + 8 * (c // 2)) for c in range(4)], (g, t4)
+
+
 def test_scale_byte_prmt_extracts_each_byte():
   rng = np.random.default_rng(3)
   for w in rng.integers(0, 1 << 32, 500, dtype=np.int64):

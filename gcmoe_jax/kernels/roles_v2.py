@@ -172,6 +172,12 @@ DECODE_TABLES = (POS2_LO, NEG_LO, POS_LO, SIGN_SELECT)  # the table words `_stag
 PLANE_COLUMNS = (0, 1, 0, 1, 2, 2, 2, 2)
 PAIR_SLOT_COLUMNS = (0, 0, 1, 1, 0, 0, 1, 1)
 assert all(PLANE_COLUMNS[n] == (2 if n >= 4 else n & 1) and PAIR_SLOT_COLUMNS[n] == (n >> 1) & 1 for n in range(8))
+# The four-row body (passes of 3 or 4 rows, slots 0-3): two B fragments per block, X with column n = (slot n >> 1,
+# plane n & 1) and Y with column n = (slot n >> 1, plane 2), so lane t4 holds S0, S1 (X) and S2 (Y's even columns) of
+# slot t4 for rows g and g + 8, all in its own registers.
+QUAD_SLOT_COLUMNS = (0, 0, 1, 1, 2, 2, 3, 3)
+QUAD_X_PLANES = (0, 1, 0, 1, 0, 1, 0, 1)
+assert all(QUAD_SLOT_COLUMNS[n] == n >> 1 and QUAD_X_PLANES[n] == n & 1 for n in range(8))
 # The shared expert (`RoleKernelsV2._shared_core`): items of `SH_ROWS` weight rows x a token group, K streamed in
 # steps of `SH_STEP` K32 blocks (two K128 tiles; warp w: the m16 tile w & 3 of the rows and the K128 tile w >> 2 of the
 # step; a half of 32 rows takes four tiles per step), double-buffered by cp.async. The FP8 x FP8 block dots
@@ -596,6 +602,10 @@ def _shfl_xor(v, off: int) -> Int32:
   return v1._ptx1(f"shfl.sync.bfly.b32 {{$w0}}, {{$r0}}, {off}, 31, -1;", v)
 
 
+def _shfl_idx(v, src) -> Int32:
+  return v1._ptx1("shfl.sync.idx.b32 {$w0}, {$r0}, {$r1}, 31, -1;", v, src)
+
+
 def _fma(a, b, c) -> Int32:
   return v1._float_op("fma.rn.ftz.f32", a, b, c)
 
@@ -800,6 +810,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # left v1's SIMT math, those variants fit every routed-path option without spilling); the fused transport's
     # keep one per stage. `GCMOE_ABLATION=stagebar`: one per stage everywhere, for A/B timing.
     self.paired_barrier = self.ablation != "stagebar" and not self.fused
+    # Passes of 3 or 4 rows in `_stage`'s four-row body (in the 1-tile pass's code, chosen per pass at run time, as
+    # the two-row body; 4-6.5 % faster at B = 8..32 on the H200, session 28): `GCMOE_ABLATION=nofourrow` runs them in
+    # the 1-tile body, for A/B timing (results exact).
+    self.four_row = self.single and self.ablation != "nofourrow"
     # Role 2's queue order (`abi.item_order`): the shared expert's items first at up to 32 tokens, else the routed.
     self.item_order = abi.item_order(v.capacity, self.ablation)
     self.rcap = v.capacity * v.ranks
@@ -2186,7 +2200,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
              rwb: Int64, pw: Int64, psc: Int64, wsb: Int64, c_bits: Int32, cur: Int32, ctl: Int32, pipe: Int32,
              tmap: Int64, single: cutlass.Constexpr = False):
     """One pass of up to 8 ``nt`` rows of the item (``single``: exactly one row, `_stage`'s plane-column body; a
-    1-tile pass of two rows takes `_stage`'s two-row body at run time)."""
+    1-tile pass of two rows takes `_stage`'s two-row body at run time, one of three or four its four-row body)."""
     v, ws = self.v, self.ws
     tid, _, _ = cute.arch.thread_idx()
     warp, lane, g, t4 = _lanes()
@@ -2258,13 +2272,26 @@ class RoleKernelsV2(v1.RoleKernelsV1):
                          ctl, pipe, tmap, rows_fast, acc)
     else:
       if cutlass.const_expr(self.single and nt == 1 and not single):
-        # A pass of two rows in the 1-tile body's code (a pass body of its own cost ptxas 40-70 B of spills).
-        pair = cutlass.select_(count - n0 == 2, Int32(1), Int32(0))
+        # A pass of two, or three or four, rows in the 1-tile body's code (a pass body of its own cost ptxas 40-70 B
+        # of spills).
+        rows = count - n0
+        pair = cutlass.select_(rows == 2, Int32(2), Int32(0))
+        if cutlass.const_expr(self.four_row):
+          pair = cutlass.select_((rows == 3) | (rows == 4), Int32(4), pair)
         self._cpasync_mainloop(nt, n_st, st_bytes, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl, pipe,
                                rows_fast, acc, single, pair)
-        if pair != 0:
+        if pair == 2:
           for c in cutlass.range_constexpr(1, 4):  # (slot c % 2, row g + 8 (c // 2)) was lane t4 = c's (`_stage`)
             acc[c] = _shfl_xor(acc[0], c)
+        if cutlass.const_expr(self.four_row):
+          if pair == 4:
+            # (slot 2 t4 + c % 2, row g + 8 (c // 2)) was lane 2 t4 + c % 2's accumulator c // 2 (`_stage`); lanes
+            # t4 = 2, 3 gather padding slots, which the epilogue skips.
+            even = (lane & ~3) | ((2 * t4) & 3)
+            odd = even | 1
+            moved = (_shfl_idx(acc[0], even), _shfl_idx(acc[0], odd), _shfl_idx(acc[1], even), _shfl_idx(acc[1], odd))
+            for c in cutlass.range_constexpr(4):
+              acc[c] = moved[c]
       else:
         self._cpasync_mainloop(nt, n_st, st_bytes, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl, pipe,
                                rows_fast, acc, single)
@@ -2554,8 +2581,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
                         rows_fast: Int32, acc: cute.Tensor, single: cutlass.Constexpr = False, pair=None):
     """The K loop of the per-thread producer (sm_90a): every thread issues cp.async copies of the stages ahead and
     the CTA meets at a barrier per stage, or per two stages in narrow passes (``single``: a one-row pass, whose
-    padding slots are never read, so only slot 0's B rows are copied; ``pair``: nonzero for a two-row pass, see
-    `_stage`)."""
+    padding slots are never read, so only slot 0's B rows are copied; ``pair``: 2 for a pass of two rows, 4 for
+    one of three or four, see `_stage`)."""
     slots = 8 * nt
     n_copy = 1 if cutlass.const_expr(single) else slots
     tabs = ctl if cutlass.const_expr(self.smem_tables) else None
@@ -2588,7 +2615,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   def _compute(self, nt: cutlass.Constexpr, sb: Int32, rows_fast: Int32, acc: cute.Tensor,
                single: cutlass.Constexpr = False, ctl=None, pair=None):
     """The MMAs of the stage at ``sb``: this thread's rows' scale words, then the fast or the slow path of
-    `_stage` (``pair`` nonzero: its two-row body)."""
+    `_stage` (``pair`` 2 or 4: its two- or four-row body)."""
     warp, lane, g, t4 = _lanes()
     scw = (_lds(sb + self.w_bytes + (16 * warp + g) * 4), _lds(sb + self.w_bytes + (16 * warp + g + 8) * 4))
     if cutlass.const_expr(self.ablation == "nomath"):
@@ -2605,10 +2632,15 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   @cute.jit
   def _stage_body(self, fast: cutlass.Constexpr, nt: cutlass.Constexpr, sb: Int32, scw, acc: cute.Tensor,
                   single: cutlass.Constexpr, ctl, pair):
-    """`_stage` in its two-row body when ``pair`` (run time) is nonzero, else in the pass's own."""
+    """`_stage` in its two-row body when ``pair`` (run time) is 2, its four-row body when 4, else in the pass's own."""
     if cutlass.const_expr(pair is not None):
-      if pair != 0:
+      if pair == 2:
         self._stage(fast, nt, sb, scw, acc, 2, ctl)
+      elif cutlass.const_expr(self.four_row):
+        if pair == 4:
+          self._stage(fast, nt, sb, scw, acc, 4, ctl)
+        else:
+          self._stage(fast, nt, sb, scw, acc, single, ctl)
       else:
         self._stage(fast, nt, sb, scw, acc, single, ctl)
     else:
@@ -2632,7 +2664,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     the same float operations, the same bits, accumulated in ``acc[0]`` of those lanes (the pass moves row g + 8 to
     lane t4 = 0's ``acc[2]``, slot 0's, after the K loop); the other lanes' accumulators hold junk, which the
     epilogues never read (their slots are padding). ``single`` = 2: a pass of two rows in the same way, each lane
-    of a quad one (slot, row) (`PLANE_COLUMNS`, `PAIR_SLOT_COLUMNS`). ``ctl``: the control area, whose
+    of a quad one (slot, row) (`PLANE_COLUMNS`, `PAIR_SLOT_COLUMNS`). ``single`` = 4: a pass of three or four rows
+    in two n-tiles' columns, lane t4 the two rows of slot t4 (`QUAD_SLOT_COLUMNS`). ``ctl``: the control area, whose
     `CTL_TABLES` the decode reads; None: the tables as immediates.
     """
     warp, lane, g, t4 = _lanes()
@@ -2727,6 +2760,22 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         s1 = cutlass.select_(lo, r[1], y)
         s2 = cutlass.select_(lo, x, r[2])
         acc[0] = _row_update(fast, s0, s1, s2, xw, scw_row, s, acc[0])
+    elif cutlass.const_expr(single == 4):
+      # Slots 0-3 (`QUAD_SLOT_COLUMNS`): per block a split-decode MMA pair on X (planes 0, 1) and one on Y (plane 2),
+      # after which lane t4 runs the epilogue of (slot t4, row g) into acc[0] and (slot t4, row g + 8) into acc[1]:
+      # two per lane where the 1-tile body runs four, two thirds of its MMAs and B loads. The pass moves them to
+      # the 1-tile layout after the K loop. (X's slot-0 plane-1 and slot-1 plane-0 columns share banks: a 2-way
+      # conflict in one of the two loads.)
+      bx = sb + xp_off + (g >> 1) * TOKEN_STRIDE + 8 * t4
+      for s in cutlass.range_constexpr(v1.SUBS):
+        a_pos, a_neg = _split_fragments(words, s, tabs)
+        b = _lds2(bx + s * BLOCK_BYTES + (g & 1) * 32)
+        x = _mma_s8(a_neg, b, _mma_s8(a_pos, b, zero4))
+        b = _lds2(bx + s * BLOCK_BYTES + 64)
+        y = _mma_s8(a_neg, b, _mma_s8(a_pos, b, zero4))
+        xw = _lds(sb + xe_off + t4 * 16 + 4 * s)  # slot t4's exponent word of block s
+        acc[0] = _row_update(fast, x[0], x[1], y[0], xw, scw[0], s, acc[0])
+        acc[1] = _row_update(fast, x[2], x[3], y[2], xw, scw[1], s, acc[1])
     elif cutlass.const_expr(self.split_decode and nt <= SPLIT_DECODE_NT):
       # Narrow passes, where the decode dominates: the split decode, block by block (8 registers), and twice the
       # MMAs (the tensor pipe is ~10 % busy there). Every accumulator still takes its blocks in increasing K.
