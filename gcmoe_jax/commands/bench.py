@@ -47,8 +47,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
   p.add_argument("--impl", type=_names, default=None,
                  help=f"comma list from {','.join(sweep.IMPLS)} (default: the baselines, emulated, and gcmoe:<b> "
                       "for every backend available here)")
-  p.add_argument("--iters", type=int, default=10, help="timed pairs of runs per point; the median is reported (default 10)")
-  p.add_argument("--warmup", type=int, default=2, help="untimed pairs of runs before timing, the first compiles (default 2)")
+  p.add_argument("--iters", type=int, default=10,
+                 help="timed pairs of runs per point; the median is reported (default 10)")
+  p.add_argument("--warmup", type=int, default=2,
+                 help="untimed pairs of runs before timing, the first compiles (default 2)")
   p.add_argument("--clamp", type=float, default=None, help="SwiGLU clamp (default: none)")
   p.add_argument("--seed", type=int, default=0, help="weights and routes seed")
   p.add_argument("--max-gather-gib", type=float, default=sweep.DEFAULT_MAX_GATHER_BYTES / 2**30,
