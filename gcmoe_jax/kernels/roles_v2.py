@@ -811,9 +811,11 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # keep one per stage. `GCMOE_ABLATION=stagebar`: one per stage everywhere, for A/B timing.
     self.paired_barrier = self.ablation != "stagebar" and not self.fused
     # Passes of 3 or 4 rows in `_stage`'s four-row body (in the 1-tile pass's code, chosen per pass at run time, as
-    # the two-row body; 4-6.5 % faster at B = 8..32 on the H200, session 28): `GCMOE_ABLATION=nofourrow` runs them in
-    # the 1-tile body, for A/B timing (results exact).
-    self.four_row = self.single and self.ablation != "nofourrow"
+    # the two-row body; 4-6.5 % faster at B = 8..32 on the H200, session 28), in the variants of 16-row passes (r <=
+    # 8, `abi.PASS_TIERS`), where such passes are common. In the 32-row ones they are rare, and the body's code cost
+    # them one or two spill reloads per stage loop and 0.3-0.8 % at B = 64-256. `GCMOE_ABLATION=nofourrow` runs them
+    # in the 1-tile body everywhere, for A/B timing (results exact).
+    self.four_row = self.single and self.nt_max <= 2 and self.ablation != "nofourrow"
     # Role 2's queue order (`abi.item_order`): the shared expert's items first at up to 32 tokens, else the routed.
     self.item_order = abi.item_order(v.capacity, self.ablation)
     self.rcap = v.capacity * v.ranks
