@@ -19,7 +19,7 @@ over the pairs of (the longer run's time less the shorter one's) / (``back_to_ba
 per layer of a long decode loop, what CUDA events around the layers would measure, without what a run pays once
 (the first program's dispatch, the final wait; its median is the row's ``run_overhead_us``). Until 2026-12-04 the
 latency was run time / (``back_to_back`` x ``chain``) of one run, which kept 1 / (4 x 8) of that once-per-run cost
-in every layer: 11-29 us on the H200, 12 % of GLM5.2's per-rank layer at B = 1 and 1.4 % at B = 256 (docs/perf.md,
+in every layer: 11-31 us on the H200, 12 % of GLM5.2's per-rank layer at B = 1 and 1.4 % at B = 256 (docs/perf.md,
 session 28). A point whose output is not finite, or whose longer runs were not slower (noise), says so in its note.
 
 The floor of a batch is the larger of two times (issue 6):
