@@ -28,9 +28,9 @@ def _kernels(text: str) -> str:
 def _ablation(text: str) -> str:
   if text not in ("", "nomath", "nogemm2", "widedecode", "tma", "static", "evenbodies",
                   "timeline", "nosingle", "twoplane", "stagebar", "sharedfirst",
-                  "routedfirst", "regpull", "onecta", "nofourrow"):
+                  "routedfirst", "regpull", "onecta", "nofourrow", "stagetest"):
     raise ValueError("expected nomath, nogemm2, widedecode, tma, static, evenbodies, timeline, nosingle, twoplane, "
-                     "stagebar, sharedfirst, routedfirst, regpull, onecta, nofourrow or empty")
+                     "stagebar, sharedfirst, routedfirst, regpull, onecta, nofourrow, stagetest or empty")
   return text
 
 
@@ -91,7 +91,8 @@ VARS = {v.name: v for v in (
                                        "CTAs per SM by the rule before session 27 (two CTAs up to capacity 32, "
                                        "else one), results exact, for A/B timing; nofourrow: passes of 3 or 4 "
                                        "rows in the 1-tile body instead of the four-row body, results exact, for "
-                                       "A/B timing); "
+                                       "A/B timing; stagetest: one fast-path test per K128 stage where two "
+                                       "stages share a CTA barrier, results exact, for A/B timing); "
                                        "part of the cubin key"),
   Var("GCMOE_WAIT_TIMEOUT_MS", _wait_ms, 2000, "bound of every device spin-wait; expiry becomes a Python exception"),
   Var("GCMOE_FIRST_WAIT_TIMEOUT_MS", _wait_ms, 120_000, "bound of the spin-waits of the first call of the fused "

@@ -153,15 +153,21 @@ def test_nan_activation_poisons_only_its_token():
   assert np.isnan(y[5]).all() and np.isfinite(np.delete(y, 5, axis=0)).all()
 
 
+def _deal(counts):
+  """Expert ids [T, k] of SMALL_GPU under which expert e receives counts[e] rows (T k = 48 in all)."""
+  deal = [e for e in np.argsort(counts)[::-1] for _ in range(counts[e])]  # the busiest expert first
+  ids = np.array(deal, np.int32).reshape(SMALL_GPU.top_k, SMALL_GPU.tokens).T  # token t: deal[t], deal[t + 12], ...
+  assert sorted(np.bincount(ids.ravel(), minlength=8)) == sorted(counts)
+  return ids
+
+
 def test_passes_of_every_body_match_the_oracle_on_the_fast_and_the_slow_path():
   """Experts hit by 1, 2, 3, 4, 5, 8, 12 and 13 rows: the one-, two- and four-row bodies (`roles_v2._stage`), the
   1-tile body with and without padding slots, and 2-tile passes; token 5 scaled by 2**50, so its blocks' exponents
   (GEMM1's, and GEMM2's after its SwiGLU) leave the fast path's range (`abi.FAST_EXP`) in passes of 4, 8, 12 and 13
   rows."""
   counts = (1, 2, 3, 4, 5, 8, 12, 13)
-  deal = [e for e in np.argsort(counts)[::-1] for _ in range(counts[e])]  # 48 = T k rows, the busiest expert first
-  ids = np.array(deal, np.int32).reshape(SMALL_GPU.top_k, SMALL_GPU.tokens).T  # token t: deal[t], deal[t + 12], ...
-  assert sorted(np.bincount(ids.ravel(), minlength=8)) == sorted(counts)
+  ids = _deal(counts)
   p = make_problem("default", SMALL_GPU, seed=8)
   x, w, r = quantized(p)
   x = x.at[5].multiply(2.0**50)
@@ -170,6 +176,24 @@ def test_passes_of_every_body_match_the_oracle_on_the_fast_and_the_slow_path():
   want = emulated(x, w, jnp.asarray(ids), rw, clamp=None)
   _compare("rows 1, 2, 3, 4, 5, 8, 12, 13", y, want)
   assert np.asarray(y[5], np.float32).any() and np.isfinite(np.asarray(y, np.float32)).all()
+
+
+def test_a_weight_stage_off_the_fast_path_matches_the_oracle_bit_for_bit():
+  """GEMM1's first K128 stage and GEMM2's second of every expert scaled by 2**-70, so their scale bytes leave the
+  fast path's [64, 191] (`roles_v2.SCALE_BYTE_BITS`) while the stage beside each stays inside: where two stages meet
+  one CTA barrier they take one fast-path test (`roles_v2._compute_two`), so both run the slow path, which must give
+  the same bits. Passes of 1, 2, 3-4, 5-8 and 9-16 rows."""
+  p = make_problem("default", SMALL_GPU, seed=9)
+  w13, w2 = p.w13.copy(), p.w2.copy()
+  w13[:, :128] *= 2.0**-70
+  w2[:, 128:256] *= 2.0**-70
+  p = dataclasses.replace(p, w13=w13, w2=w2)
+  x, w, _ = quantized(p)
+  ids = jnp.asarray(_deal((1, 2, 3, 4, 5, 8, 12, 13)))
+  rw = jnp.asarray(np.random.default_rng(9).dirichlet(np.ones(SMALL_GPU.top_k), SMALL_GPU.tokens), jnp.float32)
+  y = gm.moe(x, w, gm.Routes(ids, rw), backend="cuda")
+  exact = _compare("weight stages off the fast path", y, emulated(x, w, ids, rw, clamp=None))
+  assert exact == 1.0
 
 
 PAPER = {"glm5.2": (6144, 2048, 32, 8), "dsv4.1-flash": (5120, 2304, 48, 6)}

@@ -589,6 +589,12 @@ def _scaled_add(fast: bool, df, xw, wb, acc):
   return v1._fadd(acc, p)
 
 
+def _split_mma(a_pos, a_neg, b):
+  """A B of a K32 block in the split decode (A = P + N, `_split_fragments`): two chained MMAs from zero."""
+  zero4 = (Int32(0), Int32(0), Int32(0), Int32(0))
+  return _mma_s8(a_neg, b, _mma_s8(a_pos, b, zero4))
+
+
 def _row_update(fast: bool, s0, s1, s2, xw, scale_word, s: int, acc):
   """``acc`` after block ``s`` of one (row, token) from its three plane sums: f32(D) by the magic conversion, then
   `_scaled_add` (`_stage`; the row's weight scale is byte ``s`` of ``scale_word``)."""
@@ -816,6 +822,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # them one or two spill reloads per stage loop and 0.3-0.8 % at B = 64-256. `GCMOE_ABLATION=nofourrow` runs them
     # in the 1-tile body everywhere, for A/B timing (results exact).
     self.four_row = self.single and self.nt_max <= 2 and self.ablation != "nofourrow"
+    # The two stages between paired barriers under one fast-path test (`_compute_two`), in the routed variants (with
+    # the shared expert's code ptxas spilled 88 B at the two-CTA cap); `GCMOE_ABLATION=stagetest`: a test per stage,
+    # for A/B timing (results exact).
+    self.pair_test = not self.qmma and not v.shared and self.ablation not in ("stagetest", "nomath")
     # Role 2's queue order (`abi.item_order`): the shared expert's items first at up to 32 tokens, else the routed.
     self.item_order = abi.item_order(v.capacity, self.ablation)
     self.rcap = v.capacity * v.ranks
@@ -2608,8 +2618,12 @@ class RoleKernelsV2(v1.RoleKernelsV1):
           self._issue(nk, pipe + (nk % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes,
                       exps, ctl, n_copy)
         _commit()
-      for q in cutlass.range_constexpr(per_bar):
-        self._compute(nt, pipe + ((kb + q) % n_st) * st_bytes, rows_fast, acc, single, tabs, pair)
+      if cutlass.const_expr(per_bar == 2 and self.pair_test):
+        self._compute_two(nt, pipe + (kb % n_st) * st_bytes, pipe + ((kb + 1) % n_st) * st_bytes, rows_fast, acc,
+                          single, tabs, pair)
+      else:
+        for q in cutlass.range_constexpr(per_bar):
+          self._compute(nt, pipe + ((kb + q) % n_st) * st_bytes, rows_fast, acc, single, tabs, pair)
     _wait_group(0)
     cute.arch.sync_threads()  # the pipeline area is free: the epilogue reuses it
 
@@ -2630,6 +2644,44 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         self._stage_body(True, nt, sb, scw, acc, single, ctl, pair)
       else:
         self._stage_body(False, nt, sb, scw, acc, single, ctl, pair)
+
+  @cute.jit
+  def _compute_two(self, nt: cutlass.Constexpr, sb0: Int32, sb1: Int32, rows_fast: Int32, acc: cute.Tensor,
+                   single: cutlass.Constexpr, ctl, pair):
+    """`_compute` of the two stages between CTA barriers under ONE fast-path test (fast where both stages' scale
+    bytes allow it, else both slow: the same bits, `_stage`), so that both bodies lie in one basic block and ptxas
+    may overlap the second stage's loads, decode and MMAs with the first's epilogue."""
+    warp, lane, g, t4 = _lanes()
+    scw0 = (_lds(sb0 + self.w_bytes + (16 * warp + g) * 4), _lds(sb0 + self.w_bytes + (16 * warp + g + 8) * 4))
+    scw1 = (_lds(sb1 + self.w_bytes + (16 * warp + g) * 4), _lds(sb1 + self.w_bytes + (16 * warp + g + 8) * 4))
+    bits = (scw0[0] ^ (scw0[0] << 1)) & (scw0[1] ^ (scw0[1] << 1)) & (scw1[0] ^ (scw1[0] << 1)) & (
+        scw1[1] ^ (scw1[1] << 1))
+    if (rows_fast != 0) & ((bits & SCALE_BYTE_BITS) == SCALE_BYTE_BITS):
+      self._stage_body_two(True, nt, sb0, sb1, scw0, scw1, acc, single, ctl, pair)
+    else:
+      self._stage_body_two(False, nt, sb0, sb1, scw0, scw1, acc, single, ctl, pair)
+
+  @cute.jit
+  def _stage_body_two(self, fast: cutlass.Constexpr, nt: cutlass.Constexpr, sb0: Int32, sb1: Int32, scw0, scw1,
+                      acc: cute.Tensor, single: cutlass.Constexpr, ctl, pair):
+    """`_stage_body` of two stages, the body picked once for both."""
+    if cutlass.const_expr(pair is not None):
+      if pair == 2:
+        self._stage(fast, nt, sb0, scw0, acc, 2, ctl)
+        self._stage(fast, nt, sb1, scw1, acc, 2, ctl)
+      elif cutlass.const_expr(self.four_row):
+        if pair == 4:
+          self._stage(fast, nt, sb0, scw0, acc, 4, ctl)
+          self._stage(fast, nt, sb1, scw1, acc, 4, ctl)
+        else:
+          self._stage(fast, nt, sb0, scw0, acc, single, ctl)
+          self._stage(fast, nt, sb1, scw1, acc, single, ctl)
+      else:
+        self._stage(fast, nt, sb0, scw0, acc, single, ctl)
+        self._stage(fast, nt, sb1, scw1, acc, single, ctl)
+    else:
+      self._stage(fast, nt, sb0, scw0, acc, single, ctl)
+      self._stage(fast, nt, sb1, scw1, acc, single, ctl)
 
   @cute.jit
   def _stage_body(self, fast: cutlass.Constexpr, nt: cutlass.Constexpr, sb: Int32, scw, acc: cute.Tensor,
@@ -2736,7 +2788,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       for s in cutlass.range_constexpr(v1.SUBS):
         a_pos, a_neg = _split_fragments(words, s, tabs)
         b = _lds2(sb + xp_off + s * BLOCK_BYTES + plane * 32 + 8 * t4)
-        r = _mma_s8(a_neg, b, _mma_s8(a_pos, b, zero4))
+        r = _split_mma(a_pos, a_neg, b)
         xw = _lds(sb + xe_off + 4 * s)  # slot 0's exponent word of block s
         s2 = _shfl_xor(cutlass.select_(t4 == 3, r[2], r[0]), 2)  # t4 = 0 <- S2 (row g), t4 = 1 <- S2 (row g + 8)
         s0 = cutlass.select_(upper, r[2], r[0])
@@ -2754,7 +2806,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       for s in cutlass.range_constexpr(v1.SUBS):
         a_pos, a_neg = _split_fragments(words, s, tabs)
         b = _lds2(sb + xp_off + col_slot * TOKEN_STRIDE + s * BLOCK_BYTES + plane * 32 + 8 * t4)
-        r = _mma_s8(a_neg, b, _mma_s8(a_pos, b, zero4))
+        r = _split_mma(a_pos, a_neg, b)
         xw = _lds(sb + xe_off + (t4 & 1) * 16 + 4 * s)  # this lane's slot's exponent word of block s
         x = _shfl_xor(cutlass.select_(lo, r[2], r[0]), 2)  # t4 < 2 <- S2 (row g); t4 >= 2 <- S0 (row g + 8)
         y = _shfl_xor(r[3], 2)  # t4 >= 2 <- S1 (row g + 8)
@@ -2772,9 +2824,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       for s in cutlass.range_constexpr(v1.SUBS):
         a_pos, a_neg = _split_fragments(words, s, tabs)
         b = _lds2(bx + s * BLOCK_BYTES + (g & 1) * 32)
-        x = _mma_s8(a_neg, b, _mma_s8(a_pos, b, zero4))
+        x = _split_mma(a_pos, a_neg, b)
         b = _lds2(bx + s * BLOCK_BYTES + 64)
-        y = _mma_s8(a_neg, b, _mma_s8(a_pos, b, zero4))
+        y = _split_mma(a_pos, a_neg, b)
         xw = _lds(sb + xe_off + t4 * 16 + 4 * s)  # slot t4's exponent word of block s
         acc[0] = _row_update(fast, x[0], x[1], y[0], xw, scw[0], s, acc[0])
         acc[1] = _row_update(fast, x[2], x[3], y[2], xw, scw[1], s, acc[1])
