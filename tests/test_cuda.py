@@ -334,7 +334,8 @@ def test_a_grid_that_cannot_be_resident_is_rejected_with_the_numbers():
                      (1, 256, 0, 100000, 256, 0, 0, 256, 0),  # role 2: 100000 CTAs
                      [built.cubin(i) for i in (1, 2, 3)], reference.silu_table())
   attrs = _moe.MoeAttrs.from_weights(w, 4, None, variant="too-big")
-  with pytest.raises(Exception, match=r"role 2 grid of 100000 CTAs cannot be resident: \d+ CTA\(s\) per SM .* \(eq. 6\)"):
+  with pytest.raises(Exception,
+                     match=r"role 2 grid of 100000 CTAs cannot be resident: \d+ CTA\(s\) per SM .* \(eq. 6\)"):
     _moe.moe_ffi(x, w.w13, w.w13_scale, w.w2, w.w2_scale, r.ids, r.weights, *_moe.no_shared_operands(),
                  attrs=attrs).block_until_ready()
 

@@ -54,8 +54,8 @@ from gcmoe_jax import api, formats, geometry, reference
 from gcmoe_jax.bench import baselines
 from gcmoe_jax.bench.problems import DEMO_SHAPE, make_routes
 
-__all__ = ["BASELINES", "IMPLS", "BenchShape", "Row", "default_impls", "measure_bandwidth", "measure_fp8_rate",
-           "time_back_to_back", "time_marginal", "expert_bytes", "model_shape", "plot", "run", "to_markdown",
+__all__ = ["BASELINES", "IMPLS", "BenchShape", "Row", "default_impls", "expert_bytes", "measure_bandwidth",
+           "measure_fp8_rate", "model_shape", "plot", "run", "time_back_to_back", "time_marginal", "to_markdown",
            "write_csv"]
 
 BASELINES = ("ragged_dot", "dense_gather")
