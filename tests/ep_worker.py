@@ -200,8 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     for s in y.addressable_shards:
       got = np.asarray(s.data)
       if stalled or late:
-        print(f"process {me}: step {n} shard {s.index[0].start or 0} NaN rows {int(np.isnan(got).any(axis=1).sum())} of "
-              f"{got.shape[0]}", flush=True)
+        nan_rows = int(np.isnan(got).any(axis=1).sum())
+        print(f"process {me}: step {n} shard {s.index[0].start or 0} NaN rows {nan_rows} of {got.shape[0]}",
+              flush=True)
         continue
       if not np.array_equal(got.view(np.uint16), want[s.index].view(np.uint16)):
         print(f"process {me}: step {n} shard {s.index[0].start or 0} MISMATCH", flush=True)

@@ -84,7 +84,8 @@ def test_run_keeps_a_row_for_every_point_with_the_reason(tmp_path):
   assert (tmp_path / "ep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   ep.write_csv(rows, tmp_path / "ep.csv")
   lines = (tmp_path / "ep.csv").read_text().splitlines()
-  assert lines[0].split(",")[:5] == ["impl", "transport", "ranks", "batch", "latency_us"] and len(lines) == 1 + len(rows)
+  assert lines[0].split(",")[:5] == ["impl", "transport", "ranks", "batch", "latency_us"]
+  assert len(lines) == 1 + len(rows)
   table = ep.to_markdown(rows).splitlines()
   assert table[0].startswith("| B per rank | R | impl |") and len(table) == 2 + len(rows)
   with pytest.raises(ValueError, match="impl must be gcmoe:<backend> or baseline, got 'pallas'"):

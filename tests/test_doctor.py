@@ -71,7 +71,8 @@ def _fake_driver(version: int, *, init_error: Exception | None = None, green: bo
   return d
 
 
-@pytest.mark.parametrize("version, green, workqueue", [(13010, True, True), (12080, True, False), (12030, False, False)])
+@pytest.mark.parametrize("version, green, workqueue",
+                         [(13010, True, True), (12080, True, False), (12030, False, False)])
 def test_cuda_probe_with_a_gpu(version, green, workqueue):
   c = doctor.probe_cuda(_fake_driver(version))
   assert c["driver_version"] == version and c["source"] == "cuda.bindings.driver"

@@ -71,7 +71,8 @@ def test_the_rewritten_module_assembles():
   (dict(loads_of_w=0), 0, r"TensorMap formal 0 \(k_param_0\) must be loaded exactly once, loaded 0 times"),
   (dict(uses_of_x=1), 2, r"TensorMap formal 2 \(k_param_2\) must be used exactly 2 times through %rd3, used 1 times"),
   (dict(uses_of_x=3), 2, r"TensorMap formal 2 \(k_param_2\) must be used exactly 2 times through %rd3, used 3 times"),
-  (dict(w_type=".u32"), 0, r"formal 0 must be a \.u64 TensorMap pointer to pass it by value, got '\.param \.u32 k_param_0'"),
+  (dict(w_type=".u32"), 0,
+   r"formal 0 must be a \.u64 TensorMap pointer to pass it by value, got '\.param \.u32 k_param_0'"),
   ({}, 3, r"entry k has 3 formals, no formal 3 to pass a TensorMap in"),
 ])
 def test_each_assertion_fails_naming_the_formal(module, index, message):
@@ -81,7 +82,8 @@ def test_each_assertion_fails_naming_the_formal(module, index, message):
 
 def test_a_second_rewrite_and_a_missing_entry_fail():
   once = ptx.rewrite_tensormaps_by_value(_module(), "k", (0,))
-  with pytest.raises(ptx.PtxError, match=r"formal 0 must be a \.u64 TensorMap pointer .* got '\.param \.align 128 \.b8"):
+  with pytest.raises(ptx.PtxError,
+                     match=r"formal 0 must be a \.u64 TensorMap pointer .* got '\.param \.align 128 \.b8"):
     ptx.rewrite_tensormaps_by_value(once, "k", (0,))
   with pytest.raises(ptx.PtxError, match=r"entry 'other' must appear exactly once, found 0"):
     ptx.rewrite_tensormaps_by_value(_module(), "other", (0,))
