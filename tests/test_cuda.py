@@ -181,7 +181,7 @@ def test_passes_of_every_body_match_the_oracle_on_the_fast_and_the_slow_path():
 def test_a_weight_stage_off_the_fast_path_matches_the_oracle_bit_for_bit():
   """GEMM1's first K128 stage and GEMM2's second of every expert scaled by 2**-70, so their scale bytes leave the
   fast path's [64, 191] (`roles_v2.SCALE_BYTE_BITS`) while the stage beside each stays inside: where two stages meet
-  one CTA barrier they take one fast-path test (`roles_v2._compute_two`), so both run the slow path, which must give
+  one CTA barrier they take one fast-path test (`roles_v2._compute`), so both run the slow path, which must give
   the same bits. Passes of 1, 2, 3-4, 5-8 and 9-16 rows."""
   p = make_problem("default", SMALL_GPU, seed=9)
   w13, w2 = p.w13.copy(), p.w2.copy()

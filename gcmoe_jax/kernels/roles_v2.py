@@ -822,7 +822,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # them one or two spill reloads per stage loop and 0.3-0.8 % at B = 64-256. `GCMOE_ABLATION=nofourrow` runs them
     # in the 1-tile body everywhere, for A/B timing (results exact).
     self.four_row = self.single and self.nt_max <= 2 and self.ablation != "nofourrow"
-    # The two stages between paired barriers under one fast-path test (`_compute_two`), in the routed variants (with
+    # The two stages between paired barriers under one fast-path test (`_compute`), in the routed variants (with
     # the shared expert's code ptxas spilled 88 B at the two-CTA cap); `GCMOE_ABLATION=stagetest`: a test per stage,
     # for A/B timing (results exact).
     self.pair_test = not self.qmma and not v.shared and self.ablation not in ("stagetest", "nomath")
@@ -2522,7 +2522,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       full = bars + 8 * slot
       if _mbar_try(full, (kb // n_st) & 1) == 0:
         self._mbar_spin(full, (kb // n_st) & 1, wsb, ctl, kb)
-      self._compute(nt, pipe + slot * st_bytes, rows_fast, acc)
+      self._compute(nt, (pipe + slot * st_bytes,), rows_fast, acc)
       _mbar_arrive(bars + 8 * (MAX_STAGES + slot))
     cute.arch.sync_threads()  # every stage read: the pipeline area is the epilogue's, the barriers retire
     if tid == 0:
@@ -2619,85 +2619,61 @@ class RoleKernelsV2(v1.RoleKernelsV1):
                       exps, ctl, n_copy)
         _commit()
       if cutlass.const_expr(per_bar == 2 and self.pair_test):
-        self._compute_two(nt, pipe + (kb % n_st) * st_bytes, pipe + ((kb + 1) % n_st) * st_bytes, rows_fast, acc,
-                          single, tabs, pair)
+        self._compute(nt, (pipe + (kb % n_st) * st_bytes, pipe + ((kb + 1) % n_st) * st_bytes), rows_fast, acc,
+                      single, tabs, pair)
       else:
         for q in cutlass.range_constexpr(per_bar):
-          self._compute(nt, pipe + ((kb + q) % n_st) * st_bytes, rows_fast, acc, single, tabs, pair)
+          self._compute(nt, (pipe + ((kb + q) % n_st) * st_bytes,), rows_fast, acc, single, tabs, pair)
     _wait_group(0)
     cute.arch.sync_threads()  # the pipeline area is free: the epilogue reuses it
 
   @cute.jit
-  def _compute(self, nt: cutlass.Constexpr, sb: Int32, rows_fast: Int32, acc: cute.Tensor,
+  def _compute(self, nt: cutlass.Constexpr, sbs, rows_fast: Int32, acc: cute.Tensor,
                single: cutlass.Constexpr = False, ctl=None, pair=None):
-    """The MMAs of the stage at ``sb``: this thread's rows' scale words, then the fast or the slow path of
-    `_stage` (``pair`` 2 or 4: its two- or four-row body)."""
+    """The MMAs of the stages at ``sbs`` (one, or the two between paired barriers with `pair_test`): this thread's
+    rows' scale words, then the fast or the slow path of `_stage` (``pair`` 2 or 4: its two- or four-row body).
+    Two stages take ONE fast-path test (fast where both stages' scale bytes allow it, else both slow: the same bits,
+    `_stage`) and one choice of body, so that both bodies lie in one basic block and ptxas may overlap the second
+    stage's loads, decode and MMAs with the first's epilogue."""
     warp, lane, g, t4 = _lanes()
-    scw = (_lds(sb + self.w_bytes + (16 * warp + g) * 4), _lds(sb + self.w_bytes + (16 * warp + g + 8) * 4))
+    scws = tuple((_lds(sb + self.w_bytes + (16 * warp + g) * 4), _lds(sb + self.w_bytes + (16 * warp + g + 8) * 4))
+                 for sb in sbs)
     if cutlass.const_expr(self.ablation == "nomath"):
-      acc[0] = acc[0] + scw[0] + scw[1]  # keeps the scale loads; no decode, MMA or epilogue
+      for i in cutlass.range_constexpr(len(scws)):
+        acc[0] = acc[0] + scws[i][0] + scws[i][1]  # keeps the scale loads; no decode, MMA or epilogue
     elif cutlass.const_expr(self.qmma):
-      self._stage_qmma(nt, sb, scw, acc)
+      for i in cutlass.range_constexpr(len(sbs)):
+        self._stage_qmma(nt, sbs[i], scws[i], acc)
     else:
-      byte_ok = (((scw[0] ^ (scw[0] << 1)) & (scw[1] ^ (scw[1] << 1))) & SCALE_BYTE_BITS) == SCALE_BYTE_BITS
-      if (rows_fast != 0) & byte_ok:
-        self._stage_body(True, nt, sb, scw, acc, single, ctl, pair)
+      bits = (scws[0][0] ^ (scws[0][0] << 1)) & (scws[0][1] ^ (scws[0][1] << 1))
+      for i in cutlass.range_constexpr(1, len(scws)):
+        bits = bits & (scws[i][0] ^ (scws[i][0] << 1)) & (scws[i][1] ^ (scws[i][1] << 1))
+      if (rows_fast != 0) & ((bits & SCALE_BYTE_BITS) == SCALE_BYTE_BITS):
+        self._stage_body(True, nt, sbs, scws, acc, single, ctl, pair)
       else:
-        self._stage_body(False, nt, sb, scw, acc, single, ctl, pair)
+        self._stage_body(False, nt, sbs, scws, acc, single, ctl, pair)
 
   @cute.jit
-  def _compute_two(self, nt: cutlass.Constexpr, sb0: Int32, sb1: Int32, rows_fast: Int32, acc: cute.Tensor,
-                   single: cutlass.Constexpr, ctl, pair):
-    """`_compute` of the two stages between CTA barriers under ONE fast-path test (fast where both stages' scale
-    bytes allow it, else both slow: the same bits, `_stage`), so that both bodies lie in one basic block and ptxas
-    may overlap the second stage's loads, decode and MMAs with the first's epilogue."""
-    warp, lane, g, t4 = _lanes()
-    scw0 = (_lds(sb0 + self.w_bytes + (16 * warp + g) * 4), _lds(sb0 + self.w_bytes + (16 * warp + g + 8) * 4))
-    scw1 = (_lds(sb1 + self.w_bytes + (16 * warp + g) * 4), _lds(sb1 + self.w_bytes + (16 * warp + g + 8) * 4))
-    bits = (scw0[0] ^ (scw0[0] << 1)) & (scw0[1] ^ (scw0[1] << 1)) & (scw1[0] ^ (scw1[0] << 1)) & (
-        scw1[1] ^ (scw1[1] << 1))
-    if (rows_fast != 0) & ((bits & SCALE_BYTE_BITS) == SCALE_BYTE_BITS):
-      self._stage_body_two(True, nt, sb0, sb1, scw0, scw1, acc, single, ctl, pair)
-    else:
-      self._stage_body_two(False, nt, sb0, sb1, scw0, scw1, acc, single, ctl, pair)
-
-  @cute.jit
-  def _stage_body_two(self, fast: cutlass.Constexpr, nt: cutlass.Constexpr, sb0: Int32, sb1: Int32, scw0, scw1,
-                      acc: cute.Tensor, single: cutlass.Constexpr, ctl, pair):
-    """`_stage_body` of two stages, the body picked once for both."""
-    if cutlass.const_expr(pair is not None):
-      if pair == 2:
-        self._stage(fast, nt, sb0, scw0, acc, 2, ctl)
-        self._stage(fast, nt, sb1, scw1, acc, 2, ctl)
-      elif cutlass.const_expr(self.four_row):
-        if pair == 4:
-          self._stage(fast, nt, sb0, scw0, acc, 4, ctl)
-          self._stage(fast, nt, sb1, scw1, acc, 4, ctl)
-        else:
-          self._stage(fast, nt, sb0, scw0, acc, single, ctl)
-          self._stage(fast, nt, sb1, scw1, acc, single, ctl)
-      else:
-        self._stage(fast, nt, sb0, scw0, acc, single, ctl)
-        self._stage(fast, nt, sb1, scw1, acc, single, ctl)
-    else:
-      self._stage(fast, nt, sb0, scw0, acc, single, ctl)
-      self._stage(fast, nt, sb1, scw1, acc, single, ctl)
-
-  @cute.jit
-  def _stage_body(self, fast: cutlass.Constexpr, nt: cutlass.Constexpr, sb: Int32, scw, acc: cute.Tensor,
+  def _stage_body(self, fast: cutlass.Constexpr, nt: cutlass.Constexpr, sbs, scws, acc: cute.Tensor,
                   single: cutlass.Constexpr, ctl, pair):
-    """`_stage` in its two-row body when ``pair`` (run time) is 2, its four-row body when 4, else in the pass's own."""
+    """`_stage` of each stage at ``sbs`` in its two-row body when ``pair`` (run time) is 2, its four-row body when
+    4, else in the pass's own: one choice for all of them."""
     if cutlass.const_expr(pair is not None):
       if pair == 2:
-        self._stage(fast, nt, sb, scw, acc, 2, ctl)
+        self._stages(fast, nt, sbs, scws, acc, 2, ctl)
       elif cutlass.const_expr(self.four_row):
         if pair == 4:
-          self._stage(fast, nt, sb, scw, acc, 4, ctl)
+          self._stages(fast, nt, sbs, scws, acc, 4, ctl)
         else:
-          self._stage(fast, nt, sb, scw, acc, single, ctl)
+          self._stages(fast, nt, sbs, scws, acc, single, ctl)
       else:
-        self._stage(fast, nt, sb, scw, acc, single, ctl)
+        self._stages(fast, nt, sbs, scws, acc, single, ctl)
     else:
+      self._stages(fast, nt, sbs, scws, acc, single, ctl)
+
+  def _stages(self, fast: bool, nt: int, sbs, scws, acc: cute.Tensor, single: int, ctl) -> None:
+    """`_stage` of each stage at ``sbs`` in turn, in one body (traced, so the calls are inlined in order)."""
+    for sb, scw in zip(sbs, scws):
       self._stage(fast, nt, sb, scw, acc, single, ctl)
 
   @cute.jit
