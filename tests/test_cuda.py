@@ -196,6 +196,51 @@ def test_a_weight_stage_off_the_fast_path_matches_the_oracle_bit_for_bit():
   assert exact == 1.0
 
 
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_role2_lists_the_routes_itself_up_to_four_tokens(k):
+  """Up to `roles_v2.ROLE2_SCAN_TOKENS` tokens every role-2 CTA lists the routes itself (`_scan_routes`) instead of
+  reading role 1's closed queue: T = 1..5 (at 5 the queue again), every token routed to expert 7 too, the last one
+  twice and token 0 with a padding route, routed and with the shared expert; bit-exact."""
+  for shared in (None, 32):
+    for tokens in range(1, 6):
+      shape = dataclasses.replace(SMALL, tokens=tokens, top_k=k, shared_intermediate=256 if shared else None,
+                                  shared_group=shared or 128)
+      x, w, r = quantized(make_problem("default", shape, seed=40 + 5 * k + tokens))
+      ids = np.asarray(r.ids).copy()
+      ids[:, -1] = 7
+      if k > 1:
+        ids[-1, 0] = 7
+        if tokens > 1:
+          ids[0, 0] = -1
+      ids = jnp.asarray(ids)
+      y = gm.moe(x, w, gm.Routes(ids, r.weights), backend="cuda")
+      exact = _compare(f"k={k} T={tokens} shared={shared}", y, emulated(x, w, ids, r.weights, clamp=None))
+      assert exact == 1.0
+
+
+def test_up_to_four_tokens_role2_does_not_wait_for_role1s_queue(monkeypatch):
+  """Role 1 withholds an expert hit (the test hook), so its active queue never closes: at T = 3 role 2 listed the
+  routes itself and the call is exact; at T = 5 role 2 waits for the queue and the call raises its timeout."""
+  monkeypatch.setenv("GCMOE_SYNC_CHECK", "1")
+  monkeypatch.setenv("GCMOE_WAIT_TIMEOUT_MS", "50")
+  for tokens in (3, 5):
+    shape = dataclasses.replace(SMALL, tokens=tokens)
+    x, w, r = quantized(make_problem("default", shape, seed=60 + tokens))
+    stalled = int(np.asarray(r.ids)[1, 0])
+    clamp = 5.5 + tokens / 64  # a clamp of its own: this test's runtime, with the short timeout
+    step = jax.jit(lambda x, w, r, clamp=clamp: gm.moe(x, w, r, clamp=clamp, backend="cuda"))
+    ffi.debug_set_stall_expert(stalled)
+    try:
+      if tokens == 3:
+        y = step(x, w, r)
+        assert _compare("T=3, role 1 stalled", y, emulated(x, w, r.ids, r.weights, clamp=clamp)) == 1.0
+      else:
+        with pytest.raises(Exception, match=rf"role 2, block \d+, epoch \d+, counter {stalled}, .*spin-wait exceeded"):
+          step(x, w, r).block_until_ready()
+    finally:
+      ffi.debug_set_stall_expert(-1)
+
+
 PAPER = {"glm5.2": (6144, 2048, 32, 8), "dsv4.1-flash": (5120, 2304, 48, 6)}
 _PAPER_WEIGHTS = {}
 

@@ -117,6 +117,11 @@ ROLE1_FUSED_CTAS_PER_SM = 2
 PULL_SLOTS = 2
 PULL_DEPTH = 12
 DIRECT_SCAN_TOKENS = 2
+# One GPU: up to this many tokens (and 32 assignments) every role-2 CTA lists the routes itself (`_scan_routes`) and
+# starts its items after phase 0, instead of waiting for role 1's closed active queue (at B = 1 the queue reached
+# the CTAs' tables 4.4-7.2 us into the layer, phase 0 ended at 0.8-1.8 us: docs/kernels_v2.md "Role 2 lists the
+# routes itself at B <= 4"). Role 1 still runs (the fault scan; its queue and rows go unread).
+ROLE2_SCAN_TOKENS = 4
 CTL_CLAIM = 8  # the item this CTA claimed from the queue (`RoleKernelsV2._claim`)
 # This call's T, which the shared items read from SMEM: derived again per item instead of kept in registers across
 # the item loop (with the one-token halves, ptxas spilled 60 B at the two-CTA register cap otherwise; 28-32 B so).
@@ -138,7 +143,8 @@ CTL_TABLES = CTL_TL + 4
 # known when this CTA's claimed item was decoded (the queue's size once closed, else the experts it covers), and 1
 # where the claim first saw the closed queue (the CTA then fills the expert table).
 CTL_HITS, CTL_FILL = CTL_TABLES + 16, CTL_TABLES + 20
-assert CTL_FILL + 4 <= CTRL_BYTES
+CTL_SCANNED = CTL_FILL + 4  # 1 where this call's routes were listed by the CTA itself (`_scan_routes`)
+assert CTL_SCANNED + 4 <= CTRL_BYTES
 # A stage starts 1024-aligned: TMA's 64-byte swizzle is a function of the SMEM address bits 7-8, so the tile lands
 # in the layout `_weight_words` reads (16 B chunk c of row r at c ^ ((r >> 1) & 3)) only from a 512-aligned base.
 STAGE_ALIGN = 1024
@@ -761,8 +767,14 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # SMEM: control words, the expert table (count[e], then the hit list), then the pipeline, in which the
     # shared-expert items (`SH_BYTES`) also run.
     self.table = CTRL_BYTES
+    # One GPU at T <= `scan_tokens`: the CTA's own route lists after the table (`_scan_routes`): each expert's first
+    # row in them, then the rows (assignments) expert by expert.
+    self.scan_tokens = 0 if v.ranks > 1 else min(ROLE2_SCAN_TOKENS, 32 // v.top_k, v.capacity)
+    self.scan_first = self.table + 8 * v.experts
+    self.scan_rows = self.scan_first + 4 * v.experts
+    scan_bytes = 4 * (v.experts + self.scan_tokens * v.top_k) if self.scan_tokens else 0
     # The dynamic SMEM is declared 1024-aligned (`STAGE_ALIGN`), and the pipeline starts at a multiple of it.
-    self.pipe = -(-(CTRL_BYTES + 8 * v.experts) // STAGE_ALIGN) * STAGE_ALIGN
+    self.pipe = -(-(CTRL_BYTES + 8 * v.experts + scan_bytes) // STAGE_ALIGN) * STAGE_ALIGN
     # Variants whose experts receive few rows at their capacity run passes of at most 16 or 32 rows with a
     # 128-register budget, so two CTAs share an SM and hide each other's latencies; the others run 64-row passes
     # (239-254 registers with the shared expert) at one CTA (`pass_tier`). An expert hit by more rows than a pass
@@ -1347,15 +1359,25 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         _sts(ctl + 4, -1)
         _sts(ctl + CTL_HITS, 0)
       else:
-        if ok != 0:
+        scanned = Int32(0)
+        if cutlass.const_expr(self.scan_tokens > 0):
+          scanned = cutlass.select_(n_tok <= self.scan_tokens, Int32(1), Int32(0))
+          _sts(ctl + CTL_SCANNED, scanned)
+        if (ok != 0) & (scanned == 0):
           ok = self._await_queue(queue, wsb, cur, bid)
         _sts(ctl, ok)
-        _sts(ctl + 4, cutlass.select_(ok != 0, v1._ld(queue + v1.WORD_BYTES) - 1, Int32(0)))
+        _sts(ctl + 4, cutlass.select_((ok != 0) & (scanned == 0), v1._ld(queue + v1.WORD_BYTES) - 1, Int32(0)))
       if cutlass.const_expr(v.shared):
         _sts(ctl + CTL_TOKENS, n_tok)
     cute.arch.sync_threads()
     if cutlass.const_expr(not self.fused):
-      self._fill_table(queue, wsb, table, _lds(ctl + 4))
+      if cutlass.const_expr(self.scan_tokens > 0):
+        if _lds(ctl + CTL_SCANNED) != 0:
+          self._scan_routes(ids.toint(), n_tok * v.top_k, ctl)
+        else:
+          self._fill_table(queue, wsb, table, _lds(ctl + 4))
+      else:
+        self._fill_table(queue, wsb, table, _lds(ctl + 4))
     cute.arch.sync_threads()
     ok = _lds(ctl)
     n_hit = _lds(ctl + 4)
@@ -1527,6 +1549,57 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       e = v1._ld(queue + Int64(2 + h) * v1.WORD_BYTES) - 1
       _sts(table + (self.v.experts + h) * 4, e)
       _sts(table + e * 4, v1._ld(wsb + self.ws.count + Int64(e) * v1.WORD_BYTES))
+
+  @cute.jit
+  def _scan_routes(self, idb: Int64, n_assign: Int32, ctl: Int32):
+    """The whole CTA, at T <= `scan_tokens` (one GPU): the expert table from the routes themselves, as role 1's
+    closed queue would give it (count[e] at 4 e, the experts hit from 4 E, here in expert order; their number at
+    ``ctl + 4``), and each expert's rows in assignment order (`scan_rows`, expert e's from ``scan_first[e]``), which
+    `_chunk` reads instead of role 1's ``rows``. Lane a of every warp holds assignment a (n_assign <= 32); ids < 0
+    (padding) and >= E (role 1 records those as faults) match no expert. Which CTA runs which rows is all the
+    order decides: the bits are the same."""
+    v = self.v
+    tid, _, _ = cute.arch.thread_idx()
+    warp = tid // 32
+    lane = tid % 32
+    table = ctl + self.table
+    first = ctl + self.scan_first
+    below = Int32(cute.arch.lanemask_lt())
+    eid = Int32(-1)
+    if lane < n_assign:
+      eid = v1._ld_nc(idb + Int64(lane) * v1.WORD_BYTES)
+    for e in range(warp, v.experts, WARPS):
+      hits = v1._ballot(eid == e)
+      if lane == 0:
+        _sts(table + e * 4, v1._popc(hits))
+    cute.arch.sync_threads()
+    if warp == 0:
+      # Experts in chunks of 32, a lane each: the hit list by ballot, the first rows by an inclusive scan.
+      n_hit = Int32(0)
+      n_rows = Int32(0)
+      for c in cutlass.range_constexpr(0, v.experts, 32):
+        e = c + lane
+        count = Int32(0)
+        if e < v.experts:
+          count = _lds(table + e * 4)
+        hit = v1._ballot(count > 0)
+        upto = count
+        for d in cutlass.range_constexpr(5):
+          up = _shfl_idx(upto, cutlass.max(lane - (1 << d), 0))
+          upto = upto + cutlass.select_(lane >= (1 << d), up, Int32(0))
+        if e < v.experts:
+          _sts(first + e * 4, n_rows + upto - count)
+        if count > 0:
+          _sts(table + (v.experts + n_hit + v1._popc(hit & below)) * 4, e)
+        n_hit = n_hit + v1._popc(hit)
+        n_rows = n_rows + _shfl_idx(upto, 31)
+      if lane == 0:
+        _sts(ctl + 4, n_hit)
+    cute.arch.sync_threads()
+    for e in range(warp, v.experts, WARPS):
+      hits = v1._ballot(eid == e)
+      if eid == e:
+        _sts(ctl + self.scan_rows + (_lds(first + e * 4) + v1._popc(hits & below)) * 4, lane)
 
   @cute.jit
   def _item_bounds(self, n_hit: Int32, n_s1: Int32, n_s2: Int32, ok: Int32):
@@ -2245,7 +2318,13 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       asg = Int32(-1)
       rw = Int32(0)
       if n < count:
-        asg = _ld_gpu(wsb + ws.rows + (Int64(e) * (self.rcap * v.top_k) + n) * v1.WORD_BYTES)
+        if cutlass.const_expr(self.scan_tokens > 0):
+          if _lds(ctl + CTL_SCANNED) != 0:
+            asg = _lds(ctl + self.scan_rows + (_lds(ctl + self.scan_first + e * 4) + n) * 4)
+          else:
+            asg = _ld_gpu(wsb + ws.rows + (Int64(e) * (self.rcap * v.top_k) + n) * v1.WORD_BYTES)
+        else:
+          asg = _ld_gpu(wsb + ws.rows + (Int64(e) * (self.rcap * v.top_k) + n) * v1.WORD_BYTES)
         src = asg
         if cutlass.const_expr(not g2):
           if cutlass.const_expr(not self.fused or self.cache):
