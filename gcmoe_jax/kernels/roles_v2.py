@@ -770,6 +770,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # One GPU at T <= `scan_tokens`: the CTA's own route lists after the table (`_scan_routes`): each expert's first
     # row in them, then the rows (assignments) expert by expert.
     self.scan_tokens = 0 if v.ranks > 1 else min(ROLE2_SCAN_TOKENS, 32 // v.top_k, v.capacity)
+    assert self.scan_tokens > 0 or v.ranks > 1  # (k <= 32): every one-GPU variant has the scan path
     self.scan_first = self.table + 8 * v.experts
     self.scan_rows = self.scan_first + 4 * v.experts
     scan_bytes = 4 * (v.experts + self.scan_tokens * v.top_k) if self.scan_tokens else 0
@@ -1359,10 +1360,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         _sts(ctl + 4, -1)
         _sts(ctl + CTL_HITS, 0)
       else:
-        scanned = Int32(0)
-        if cutlass.const_expr(self.scan_tokens > 0):
-          scanned = cutlass.select_(n_tok <= self.scan_tokens, Int32(1), Int32(0))
-          _sts(ctl + CTL_SCANNED, scanned)
+        scanned = cutlass.select_(n_tok <= self.scan_tokens, Int32(1), Int32(0))
+        _sts(ctl + CTL_SCANNED, scanned)
         if (ok != 0) & (scanned == 0):
           ok = self._await_queue(queue, wsb, cur, bid)
         _sts(ctl, ok)
@@ -1371,11 +1370,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         _sts(ctl + CTL_TOKENS, n_tok)
     cute.arch.sync_threads()
     if cutlass.const_expr(not self.fused):
-      if cutlass.const_expr(self.scan_tokens > 0):
-        if _lds(ctl + CTL_SCANNED) != 0:
-          self._scan_routes(ids.toint(), n_tok * v.top_k, ctl)
-        else:
-          self._fill_table(queue, wsb, table, _lds(ctl + 4))
+      if _lds(ctl + CTL_SCANNED) != 0:
+        self._scan_routes(ids.toint(), n_tok * v.top_k, ctl)
       else:
         self._fill_table(queue, wsb, table, _lds(ctl + 4))
     cute.arch.sync_threads()
