@@ -117,10 +117,11 @@ ROLE1_FUSED_CTAS_PER_SM = 2
 PULL_SLOTS = 2
 PULL_DEPTH = 12
 DIRECT_SCAN_TOKENS = 2
-# One GPU: up to this many tokens (and 32 assignments) every role-2 CTA lists the routes itself (`_scan_routes`) and
-# starts its items after phase 0, instead of waiting for role 1's closed active queue (at B = 1 the queue reached
-# the CTAs' tables 4.4-7.2 us into the layer, phase 0 ended at 0.8-1.8 us: docs/kernels_v2.md "Role 2 lists the
-# routes itself at B <= 4"). Role 1 still runs (the fault scan; its queue and rows go unread).
+# One GPU: up to this many tokens (and 32 assignments) every role-2 CTA lists the routes itself (`_scan_routes`,
+# before it waits for the other CTAs' phase 0) and starts its items after phase 0, instead of waiting for role 1's
+# closed active queue (at B = 1 the queue reached the CTAs' tables 4.4-7.2 us into the layer, phase 0 ended at
+# 0.8-1.8 us: docs/kernels_v2.md "Role 2 lists the routes itself at B <= 4"). Role 1 still runs (the fault scan;
+# its queue and rows go unread).
 ROLE2_SCAN_TOKENS = 4
 CTL_CLAIM = 8  # the item this CTA claimed from the queue (`RoleKernelsV2._claim`)
 # This call's T, which the shared items read from SMEM: derived again per item instead of kept in registers across
@@ -1345,6 +1346,13 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       _red_release_add(counters + v.experts * v1.WORD_BYTES, 1)
 
     # ---- the experts hit: role 1's active queue, once it is closed (the fused transport: as it grows) ----------
+    # Up to `scan_tokens` the CTA lists the routes itself, before it waits for the other CTAs' phase 0: the routes
+    # do not depend on it, and the table is then ready when that wait ends.
+    scanned = Int32(0)
+    if cutlass.const_expr(self.scan_tokens > 0):
+      scanned = cutlass.select_(n_tok <= self.scan_tokens, Int32(1), Int32(0))
+      if scanned != 0:
+        self._scan_routes(ids.toint(), n_tok * v.top_k, ctl)
     queue = self._active_queue(wsb, cur)
     ok = Int32(1)
     if tid == 0:
@@ -1360,19 +1368,17 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         _sts(ctl + 4, -1)
         _sts(ctl + CTL_HITS, 0)
       else:
-        scanned = cutlass.select_(n_tok <= self.scan_tokens, Int32(1), Int32(0))
         _sts(ctl + CTL_SCANNED, scanned)
-        if (ok != 0) & (scanned == 0):
-          ok = self._await_queue(queue, wsb, cur, bid)
+        if scanned == 0:  # (else `_scan_routes` wrote the table and the experts hit at ctl + 4)
+          if ok != 0:
+            ok = self._await_queue(queue, wsb, cur, bid)
+          _sts(ctl + 4, cutlass.select_(ok != 0, v1._ld(queue + v1.WORD_BYTES) - 1, Int32(0)))
         _sts(ctl, ok)
-        _sts(ctl + 4, cutlass.select_((ok != 0) & (scanned == 0), v1._ld(queue + v1.WORD_BYTES) - 1, Int32(0)))
       if cutlass.const_expr(v.shared):
         _sts(ctl + CTL_TOKENS, n_tok)
     cute.arch.sync_threads()
     if cutlass.const_expr(not self.fused):
-      if _lds(ctl + CTL_SCANNED) != 0:
-        self._scan_routes(ids.toint(), n_tok * v.top_k, ctl)
-      else:
+      if scanned == 0:
         self._fill_table(queue, wsb, table, _lds(ctl + 4))
     cute.arch.sync_threads()
     ok = _lds(ctl)
