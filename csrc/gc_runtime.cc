@@ -105,7 +105,7 @@ class ScopedContext {
 void RegisterVariant(const std::string& key, std::shared_ptr<VariantSpec> spec) {
   Sha256 sha;
   sha.Add(spec->capacity).Add(spec->dispatch_sms).Add(spec->timeout_ns).Add(spec->ws_total).Add(spec->ws_silu_table);
-  sha.Add(spec->planned_compute_sms).Add(spec->ranks);
+  sha.Add(spec->planned_compute_sms).Add(spec->ranks).Add(spec->finalize_early_tokens);
   for (int32_t d : spec->peer_devices) sha.Add(d);
   for (const TensorMapSpec& m : spec->tensormaps) {
     sha.Add(m.param).Add(m.dtype).Add(m.dim0).Add(m.dim1).Add(m.row_stride).Add(m.box0).Add(m.box1).Add(m.swizzle);
@@ -633,12 +633,17 @@ std::string Runtime::Build(int64_t tokens, float clamp) {
     return "gcmoe_moe: T = " + std::to_string(tokens) + " exceeds the kernel variant's token capacity " +
            std::to_string(s.capacity);
   }
-  // Finalize runs after both roles, on the compute partition: a node on the primary context costs ~1.4 us more per
-  // replay (one more context switch on the critical path; H200 probe, docs/perf.md).
-  role_ctx_[2] = role_ctx_[1];
+  // Finalize runs after both roles, on the compute partition (a node on the primary context costs ~1.4 us more per
+  // replay: one more context switch on the critical path; H200 probe, docs/perf.md). One GPU, up to the variant's
+  // `finalize_early_tokens`: beside role 2 instead, on the dispatch partition after role 1, where it waits for role
+  // 2's CTAs (header.role2_grid), so the edge role 2 -> role 3 and role 3's launch leave the critical path. Only on
+  // SMs role 2 cannot use: a waiting role-3 CTA on role 2's partition could keep a role-2 CTA from being resident.
+  bool beside = group_ == nullptr && s.ranks == 1 && tokens <= s.finalize_early_tokens && role_ctx_[0] != role_ctx_[1];
+  role_ctx_[2] = role_ctx_[beside ? 0 : 1];
 
   // ---- Cubins and the residency check (eq. 6) at the exact launch configuration.
-  const unsigned role_sms[kNumRoles] = {partition_.dispatch_sms, partition_.compute_sms, partition_.compute_sms};
+  unsigned role_sms[kNumRoles] = {partition_.dispatch_sms, partition_.compute_sms,
+                                  beside ? partition_.dispatch_sms : partition_.compute_sms};
   // A grid of 0 in the spec means: role 1 one CTA, role 2 one CTA per compute SM, role 3 one CTA per token.
   const unsigned auto_grid[kNumRoles] = {1u, partition_.compute_sms, static_cast<unsigned>(std::max<int64_t>(1, tokens))};
   for (int r = 0; r < kNumRoles; ++r) {
@@ -662,6 +667,11 @@ std::string Runtime::Build(int64_t tokens, float clamp) {
     }
     int per_sm = 0;
     GCMOE_CU(cu_.cuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, role.block, role.smem));
+    if (r == 2 && beside && role.grid > static_cast<int64_t>(per_sm) * role_sms[r]) {
+      beside = false;  // every role-3 CTA must be resident beside role 2 (they wait): after role 2 instead
+      role_ctx_[2] = role_ctx_[1];
+      role_sms[r] = partition_.compute_sms;
+    }
     const int64_t resident = static_cast<int64_t>(per_sm) * role_sms[r];
     if (role.grid == 0 || role.grid > resident) {
       return "gcmoe_moe: role " + std::to_string(r + 1) + " grid of " + std::to_string(role.grid) +
@@ -686,11 +696,12 @@ std::string Runtime::Build(int64_t tokens, float clamp) {
     GCMOE_CU(cu_.cuMemAlloc(&workspace_, static_cast<size_t>(s.ws_total)));
     WorkspaceHeader header{};
     header.host_mirror = mirror;
+    header.role2_grid = beside ? launch_[1].grid : 0;
     std::string err = InitWorkspace(cu_, workspace_, s, header);
     if (!err.empty()) return err;
   }
 
-  // ---- The graph: roles 1 and 2 concurrent roots, role 3 after both.
+  // ---- The graph: roles 1 and 2 concurrent roots, role 3 after both (beside role 2: after role 1 only).
   tokens_ = static_cast<int32_t>(tokens);
   clamp_ = clamp;
   for (int p = 0; p < kNumPointerParams; ++p) param_ptrs_[p] = &ptrs_[p];
@@ -703,7 +714,7 @@ std::string Runtime::Build(int64_t tokens, float clamp) {
   for (int r = 0; r < kNumRoles; ++r) {
     const CUDA_KERNEL_NODE_PARAMS p = NodeParams(r);
     const CUgraphNode* deps = r == 2 ? node_ : nullptr;
-    GCMOE_CU(cu_.cuGraphAddKernelNode(&node_[r], graph_, deps, r == 2 ? 2 : 0, &p));
+    GCMOE_CU(cu_.cuGraphAddKernelNode(&node_[r], graph_, deps, r == 2 ? (beside ? 1 : 2) : 0, &p));
   }
   GCMOE_CU(cu_.cuGraphInstantiate(&exec_, graph_, 0));
   {
@@ -823,6 +834,13 @@ std::string Runtime::ReadFault(CUstream stream) {
            std::to_string(h->error_observed) +
            " (a TMA or bulk copy that never completed: a bad weight pointer or TensorMap); the outputs of that call "
            "were set to NaN)";
+  } else if (h->error_role == 3) {  // abi.WAIT_ROLE2 / WAIT_ROLE3: role 3 beside role 2 (twice the bound)
+    msg += (h->error_counter & 0xffff0000u) == 0xc0000u
+               ? " (role 3's block 0 waited for role 3's CTAs to start, " + std::to_string(h->error_observed) +
+                     " did"
+               : " (role 3, beside role 2, waited for role 2's CTAs to finish, " +
+                     std::to_string(h->error_observed) + " did";
+    msg += ", longer than twice " + bound + "; the outputs of that call were set to NaN)";
   } else {
     msg += " (a spin-wait exceeded its bound of " + bound + "; the outputs of that call were set to NaN)";
   }
@@ -1080,8 +1098,9 @@ std::string Runtime::SetStall(int32_t e) {
 #include "common.h"
 
 // Registers a kernel variant under `key` (gcmoe_jax/ffi/_cuda.py). `config`: capacity, dispatch_sms, timeout_ns,
-// ws_total, ws_silu_table[, planned compute SMs[, R ranks of the fused transport, then the CUDA ordinals of its peer
-// groups, group-major]] (int64); `launch`: (grid, block, dynamic smem) of roles 1, 2, 3 (9 uint32); the three
+// ws_total, ws_silu_table[, planned compute SMs[, R ranks of the fused transport[, the tokens up to which role 3 may
+// run beside role 2 (abi.FINALIZE_EARLY_TOKENS)[, with R > 1 the CUDA ordinals of its peer groups,
+// group-major]]]] (int64); `launch`: (grid, block, dynamic smem) of roles 1, 2, 3 (9 uint32); the three
 // cubins; the silu table (65536 float32); role 2's TensorMaps (abi.tensormap_fields, 8 int64 each, formal order).
 // Returns 0, or -1 with the reason in `error`.
 GCMOE_EXPORT int gcmoe_register_variant(const char* key, const int64_t* config, int num_config,
@@ -1095,8 +1114,9 @@ GCMOE_EXPORT int gcmoe_register_variant(const char* key, const int64_t* config, 
                            error, error_size);
   }
   const int64_t ranks = num_config > 6 ? config[6] : 1;
-  const int64_t num_devices = num_config > 7 ? num_config - 7 : 0;
-  std::vector<int32_t> peer_devices(config + std::min<int64_t>(num_config, 7), config + num_config);
+  const int64_t finalize_early_tokens = num_config > 7 ? config[7] : 0;
+  const int64_t num_devices = num_config > 8 ? num_config - 8 : 0;
+  std::vector<int32_t> peer_devices(config + std::min<int64_t>(num_config, 8), config + num_config);
   // This process's devices (ordinals >= 0) at most once in all; a device of another process is -(1 + its process
   // index), at most once per group, and a group with one has at most one of this process's (CUDA IPC, not peer
   // access, connects it).
@@ -1169,6 +1189,7 @@ GCMOE_EXPORT int gcmoe_register_variant(const char* key, const int64_t* config, 
   spec->ws_silu_table = config[4];
   spec->planned_compute_sms = num_config > 5 ? config[5] : 0;
   spec->ranks = ranks;
+  spec->finalize_early_tokens = finalize_early_tokens;
   spec->peer_devices = std::move(peer_devices);
   const void* cubins[3] = {cubin1, cubin2, cubin3};
   const int64_t sizes[3] = {size1, size2, size3};
@@ -1266,7 +1287,8 @@ GCMOE_EXPORT int gcmoe_workspace_header_offsets(int64_t* out, int n) {
       offsetof(gcmoe::WorkspaceHeader, error_counter), offsetof(gcmoe::WorkspaceHeader, error_observed),
       offsetof(gcmoe::WorkspaceHeader, stall_expert),  offsetof(gcmoe::WorkspaceHeader, host_mirror),
       offsetof(gcmoe::WorkspaceHeader, x_ready),       offsetof(gcmoe::WorkspaceHeader, rank),
-      offsetof(gcmoe::WorkspaceHeader, steady_timeout_ns), offsetof(gcmoe::WorkspaceHeader, peers)};
+      offsetof(gcmoe::WorkspaceHeader, steady_timeout_ns), offsetof(gcmoe::WorkspaceHeader, peers),
+      offsetof(gcmoe::WorkspaceHeader, role2_grid)};
   const int count = static_cast<int>(sizeof(offsets) / sizeof(offsets[0]));
   for (int i = 0; i < count && i < n; ++i) out[i] = offsets[i];
   return count;

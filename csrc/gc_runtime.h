@@ -61,7 +61,9 @@ struct WorkspaceHeader {
   uint32_t rank;
   uint64_t steady_timeout_ns;  // the spin bound after the first call (role 3 of a fused variant's first call copies it)
   uint64_t peers[16];  // abi.MAX_RANKS
-  uint8_t pad[256 - 192];
+  // Role 2's grid where role 3 runs beside it on the dispatch partition and waits for its CTAs (0: after it).
+  uint32_t role2_grid;
+  uint8_t pad[256 - 196];
 };
 inline constexpr int kMaxRanks = 16;
 static_assert(sizeof(WorkspaceHeader) == 256, "abi.HEADER_BYTES");
@@ -81,6 +83,9 @@ struct VariantSpec {
   // The fused transport across the GPUs of this process (docs/fused_transport.md): R ranks, and the CUDA ordinals of
   // every peer group, group-major (R per group; every ordinal at most once). ranks == 1: a local variant.
   int64_t ranks = 1;
+  // Up to this many tokens role 3 may run beside role 2, on the dispatch partition after role 1, waiting for role 2's
+  // CTAs (abi.FINALIZE_EARLY_TOKENS; 0: never, e.g. kernels whose role 3 does not wait).
+  int64_t finalize_early_tokens = 0;
   std::vector<int32_t> peer_devices;
   std::array<RoleSpec, kNumRoles> role;
   std::vector<TensorMapSpec> tensormaps;  // role 2's, in formal order (none for v1 and for test kernels)

@@ -241,6 +241,45 @@ def test_up_to_four_tokens_role2_does_not_wait_for_role1s_queue(monkeypatch):
       ffi.debug_set_stall_expert(-1)
 
 
+@pytest.mark.parametrize("shared", [None, 32], ids=["routed", "shared32"])
+def test_up_to_eight_tokens_role3_runs_beside_role2(shared):
+  """One GPU, up to `abi.FINALIZE_EARLY_TOKENS` tokens: the runtime puts role 3 on the dispatch partition after role
+  1, where it waits for role 2's CTAs (``HEADER["role2_grid"]``, `abi.role2_done`) instead of following role 2 in
+  the graph; above, after role 2, waiting for nothing. Three calls each at T = 1, 8 (beside) and 9 (after): all
+  bit-exact, the epoch advanced by each, and in the last call's counters every role-2 CTA counted itself done and
+  (beside) every role-3 CTA, one per token, counted itself in."""
+  from gcmoe_jax.ffi import _cuda
+  from gcmoe_jax.kernels import abi, build
+  for tokens in (1, 8, 9):
+    shape = dataclasses.replace(SMALL, tokens=tokens, shared_intermediate=256 if shared else None,
+                                shared_group=shared or 128)
+    x, w, r = quantized(make_problem("default", shape, seed=70 + tokens))
+    clamp = 9.5 + tokens / 64 + (1 / 128 if shared else 0)  # a runtime of its own: its workspace is read below
+    step = jax.jit(lambda x, w, r, clamp=clamp: gm.moe(x, w, r, clamp=clamp, backend="cuda"))
+    want = np.asarray(emulated(x, w, r.ids, r.weights, clamp=clamp)).view(np.uint16)
+    variant = build.Variant(shape.hidden, shape.intermediate, shape.experts, shape.top_k, 8 if tokens <= 8 else 16,
+                            256 if shared else None, shared)
+    ws = variant.workspace("v2")
+    epochs = []
+    for _ in range(3):
+      y = step(x, w, r)
+      np.testing.assert_array_equal(np.asarray(y).view(np.uint16), want, err_msg=f"T={tokens} shared={shared}")
+      raw = _cuda.debug_read_workspace(0, ws.total)
+      header = np.frombuffer(raw, np.uint32, abi.HEADER_BYTES // 4)
+      epochs.append(int(header[abi.HEADER["epoch"] // 4]))
+    grid2 = int(header[abi.HEADER["role2_grid"] // 4])
+    args = (variant.experts, variant.capacity, variant.shared)
+    words, at = abi.counter_words(*args), abi.role2_done(*args)
+    last = np.frombuffer(raw, np.uint32, words, ws.counters + 4 * words * (epochs[-1] & 1))
+    print(f"\n  T={tokens} shared={shared}: epochs {epochs}, role2_grid {grid2}, role 2 CTAs done {last[at]}, "
+          f"role 3 CTAs in {last[at + 1]}")
+    assert epochs[1:] == [epochs[0] + 1, epochs[0] + 2]
+    if tokens <= abi.FINALIZE_EARLY_TOKENS:
+      assert grid2 > 0 and last[at] == grid2 and last[at + 1] == tokens
+    else:
+      assert grid2 == 0 and last[at] > 0 and last[at + 1] == 0
+
+
 PAPER = {"glm5.2": (6144, 2048, 32, 8), "dsv4.1-flash": (5120, 2304, 48, 6)}
 _PAPER_WEIGHTS = {}
 
@@ -348,7 +387,7 @@ def test_role1_lists_every_expert_hit_once_in_the_active_queue():
   args = (variant.experts, variant.capacity, False)
   words, at = abi.counter_words(*args), abi.active_queue(*args)
   queue = np.frombuffer(raw, np.uint32, words, ws.counters + 4 * words * (epoch & 1))[at:]
-  appended, closed, entries = int(queue[0]), int(queue[1]), queue[2:]
+  appended, closed, entries = int(queue[0]), int(queue[1]), queue[2:2 + variant.experts]
   hit = sorted(set(ids[ids >= 0].tolist()))
   print(f"\n  active queue: {appended} appended, closed at {closed - 1}, entries {(entries.astype(int) - 1).tolist()}, "
         f"hit {hit}")

@@ -110,8 +110,9 @@ def register_raw(key: str, config: tuple[int, ...], launch: tuple[int, ...], cub
   Args:
     key: the variant key (the ``variant`` attribute of calls that use it).
     config: (capacity, dispatch SMs requested, timeout ns, workspace bytes, silu table offset[, compute SMs the
-      geometry planned: the runtime rejects a driver split that differs; 0 or absent: not checked[, R ranks of the
-      fused transport, then the CUDA ordinals of its peer groups, group-major]]).
+      geometry planned: the runtime rejects a driver split that differs; 0 or absent: not checked[, R ranks (1: one
+      GPU)[, the tokens up to which role 3 may run beside role 2 (`abi.FINALIZE_EARLY_TOKENS`; 0 or absent: never)[,
+      with R > 1 the CUDA ordinals of the fused transport's peer groups, group-major]]]]).
     launch: (grid, block, dynamic SMEM) of roles 1, 2, 3; grid 0 is the runtime's choice.
     cubins: the three role cubins. silu: the float32 table of `reference.silu_table`.
     tensormaps: role 2's TensorMaps (`build.BuiltVariant.tensormap_fields`): the runtime encodes them from the
@@ -154,13 +155,17 @@ def _register(arch: str, variant: build.Variant, dispatch_sms: int, compute_sms:
   built = build.load_or_build(arch, variant)
   ws = variant.workspace()
   key = f"{build.cache_key(arch, variant)}:d{dispatch_sms}:c{compute_sms}:t{timeout_ns}"
-  config = (variant.capacity, dispatch_sms, timeout_ns, workspace_bytes(ws), ws.silu_table, compute_sms)
+  # One GPU, v2 kernels: role 3 may run beside role 2 up to `abi.FINALIZE_EARLY_TOKENS` (its v2 kernel waits for
+  # role 2's CTAs where the runtime put it there).
+  early = abi.FINALIZE_EARLY_TOKENS if variant.ranks == 1 and build.generation() == "v2" else 0
+  config = (variant.capacity, dispatch_sms, timeout_ns, workspace_bytes(ws), ws.silu_table, compute_sms,
+            variant.ranks, early)
   launch = tuple(v for r in (1, 2, 3) for v in built.launch(r, compute_sms))
   if variant.ranks > 1:
-    # The fused transport: R and the CUDA ordinals of every peer group, group-major; role 1's pulls spread over the
+    # The fused transport: the CUDA ordinals of every peer group, group-major; role 1's pulls spread over the
     # dispatch partition (`BuiltVariant.dispatch_grid`, as in `VirtualRanks`).
     key += ":peers" + ",".join(map(str, peer_devices))
-    config += (variant.ranks, *peer_devices)
+    config += tuple(peer_devices)
     launch = (built.dispatch_grid(partition_dispatch_sms), *launch[1:])
   register_raw(key, config, launch, [built.cubin(r) for r in (1, 2, 3)], reference.silu_table(),
                built.tensormap_fields())

@@ -29,7 +29,8 @@ import dataclasses
 from gcmoe_jax import geometry
 
 __all__ = ["HEADER", "PARAMS", "Workspace", "active_queue", "arrivals", "counter_words", "fused_counters",
-           "item_order", "pull_cache", "queue_counter", "relay_counters", "workspace_layout", "SILU_TABLE_ENTRIES"]
+           "item_order", "pull_cache", "queue_counter", "relay_counters", "role2_done", "workspace_layout",
+           "SILU_TABLE_ENTRIES"]
 
 # Kernel parameter names, in order: 13 pointers, then T (int32) and clamp (float32).
 PARAMS = ("x", "ids", "route_weights", "w13", "w13_scale", "w2", "w2_scale", "s13", "s13_scale", "s2", "s2_scale",
@@ -74,6 +75,10 @@ HEADER = {
   # for it), and role 3 of a fused variant's first call (epoch 0) copies this word into ``timeout_ns``.
   "steady_timeout_ns": 56,
   "peers": 64,  # u64 [MAX_RANKS]: every rank's workspace base address, this one's included (the peer table)
+  # u32, set once by the runtime: role 2's grid where role 3 runs beside role 2 (on the dispatch partition, after
+  # role 1) and waits for that many role-2 CTAs to count themselves done (`role2_done`); 0: role 3 runs after role 2
+  # (a graph edge) and does not wait. See `FINALIZE_EARLY_TOKENS`.
+  "role2_grid": 192,
 }
 MAX_RANKS = 16
 # Words of the header that role 3 copies to ``host_mirror`` when ``error_flag`` is set: error_flag .. error_observed.
@@ -83,6 +88,11 @@ FAULT_WRITING = 2
 FAULT_WRITE_NS = 1_000_000
 MIRROR_WORDS = ("error_flag", "error_role", "error_block", "error_epoch", "error_counter", "error_observed")
 HEADER_BYTES = 256
+# One GPU, v2 kernels: up to this many tokens the runtime puts role 3 on the dispatch partition after role 1, beside
+# role 2, where it waits for role 2's CTAs (`HEADER["role2_grid"]`) instead of being launched after role 2 ends: the
+# graph edge role 2 -> role 3 and role 3's launch leave the critical path (docs/kernels_v2.md "Role 3 beside role
+# 2"). One CTA per token must fit the dispatch partition (else role 3 stays after role 2).
+FINALIZE_EARLY_TOKENS = 8
 PLANES = 3  # signed 6-bit digit planes of an E4M3 value times 512 (|512 v| <= 229,376 < 2**18)
 DIGIT_BITS = 6
 NAN_WORD = 0x7FFFFFFF  # exponent word of a block that held a NaN/Inf (not a multiple of 2**23)
@@ -106,6 +116,9 @@ WAIT_GATE = 0x90000  # a role-1 CTA of the direct scan (B <= 2) waited for block
 # Role 2 waited for role 1 to close its active queue (+ the entries appended; observed: the same). Where an expert is
 # still unpublished when the bound expires, the record names it instead (WAIT_READY + e, observed ready[e]).
 WAIT_QUEUE = 0xA0000
+# Role 3 beside role 2 (`FINALIZE_EARLY_TOKENS`) waited for role 2's CTAs to finish (observed: the CTAs done), or
+# its block 0 for every role-3 CTA to have read the epoch (observed: the CTAs in).
+WAIT_ROLE2, WAIT_ROLE3 = 0xB0000, 0xC0000
 ITEM_NONE = 0x7FFFFFFF  # role 2 of the fused transport: a claim that found no item (an expired wait for the queue)
 STALL_CALL = -2  # stall_expert of a fused-transport rank that never publishes its call (x_ready) to the peers
 ROLE_TRANSPORT = 4  # error_role of an expired fused-transport wait (error_counter: WAIT_PEER..WAIT_RELAY, WAIT_GATE)
@@ -211,8 +224,15 @@ def counter_words(experts: int, capacity: int, shared: bool, ranks: int = 1, rel
   """Words of one parity of the v2 ``counters`` section: E experts, the x-quantization count, with a shared
   expert one per token (its token groups of 8 or 16 use the first ceil(T / 8) or ceil(T / 16)), with R > 1 ranks
   two more (`fused_counters`), on the relay return path one per expert (its GEMM2 items done, `relay_counters`),
-  role 2's item queue (`queue_counter`), role 1's active queue of experts (`active_queue`: 2 + E), and last with
-  R > 1 ranks role 1's arrivals and row claims per expert (`arrivals`: 2 E)."""
+  role 2's item queue (`queue_counter`), role 1's active queue of experts (`active_queue`: 2 + E), with R > 1 ranks
+  role 1's arrivals and row claims per expert (`arrivals`: 2 E), and last role 2's CTAs done (`role2_done`)."""
+  return role2_done(experts, capacity, shared, ranks, relay) + 2
+
+
+def role2_done(experts: int, capacity: int, shared: bool, ranks: int = 1, relay: bool = False) -> int:
+  """Word index, in one parity of ``counters``, of role 2's CTAs done: each adds 1 (release) after its last item's
+  stores, and role 3 beside role 2 waits for ``HEADER["role2_grid"]`` of them (`FINALIZE_EARLY_TOKENS`); the next
+  word counts role 3's CTAs in."""
   return active_queue(experts, capacity, shared, ranks, relay) + 2 + experts + (2 * experts if ranks > 1 else 0)
 
 

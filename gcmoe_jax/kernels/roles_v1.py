@@ -850,21 +850,25 @@ class RoleKernelsV1:
     yb = y.toint()
     idb = ids.toint()
     n_tok = cutlass.min(cutlass.max(tokens, 0), v.capacity)
+    epoch = _ld(wsb + abi.HEADER["epoch"])  # (only this kernel's block 0 advances it, at its end)
     if cutlass.const_expr(self.timeline):
       if (bid == 0) & (tid == 0):
-        self._tl_stamp(wsb, _ld(wsb + abi.HEADER["epoch"]) + 1, Int32(2))
+        self._tl_stamp(wsb, epoch + 1, Int32(2))
     if cutlass.const_expr(v.ranks > 1):
       self._await_returns(wsb, idb, n_tok, bid)  # the peers' GEMM2 rows of this rank's tokens (fused transport)
-    fault = _ld(wsb + abi.HEADER["error_flag"])
     if cutlass.const_expr(self.GENERATION == "v2"):
       if bid == 0:
-        # The next call (parity epoch & 1, as cur = epoch + 1 here) counts from zero: roles 1 and 2 of this call are
-        # done (graph edges), and the next call's cannot start before this kernel ends. (With the fused transport,
-        # peers count into this rank's next parity only after its next call published: see `_await_returns`.)
-        nxt = _ld(wsb + abi.HEADER["epoch"]) & 1
+        # The next call (parity epoch & 1, as cur = epoch + 1 here) counts from zero: the previous call, which used
+        # that parity, is done, and the next call's kernels cannot start before this one ends. (With the fused
+        # transport, peers count into this rank's next parity only after its next call published: see
+        # `_await_returns`.)
+        nxt = epoch & 1
         words = abi.counter_words(v.experts, v.capacity, v.shared, v.ranks, v.relay)
         for i in range(tid, words, THREADS):
           _st(wsb + ws.counters + (Int64(nxt) * words + i) * WORD_BYTES, 0)
+      if cutlass.const_expr(v.ranks == 1):
+        self._await_role2(wsb, bid, epoch + 1)  # (beside role 2: until its CTAs are done)
+    fault = _ld(wsb + abi.HEADER["error_flag"])  # (after role 2's faults, also where role 3 waited for them)
     # A CTA per token (tokens bid, bid + grid, ...); a thread sums 8 adjacent columns with 16-byte accesses in each of
     # the token's blocks of 8 THREADS columns, all k rows of every block loaded before the first sum, so a token
     # takes one round trip, not one per block (one CTA per token took 24 dependent round trips at H = 6144: 15 us;
@@ -879,12 +883,14 @@ class RoleKernelsV1:
         rows = []
         for j in cutlass.range_constexpr(v.top_k):
           row = wsb + ws.arena + (Int64(t * v.top_k + j) * v.hidden + h) * BF16_BYTES  # arena[t k + j, h .. h + 7]
-          if cutlass.const_expr(v.ranks > 1):  # written by the peers during this call: not the read-only path
+          # Written during this kernel's life (by the peers, or by role 2 beside it): not the read-only path.
+          if cutlass.const_expr(self.GENERATION == "v2"):
             rows.append(_ld_cg_v4(row))
           else:
             rows.append(_ld_nc_v4(row))
         if cutlass.const_expr(v.shared):
-          rows.append(_ld_nc_v4(wsb + ws.shared_out + (Int64(t) * v.hidden + h) * BF16_BYTES))  # shared_out[t, h ..]
+          so = wsb + ws.shared_out + (Int64(t) * v.hidden + h) * BF16_BYTES  # shared_out[t, h ..]
+          rows.append(_ld_cg_v4(so) if cutlass.const_expr(self.GENERATION == "v2") else _ld_nc_v4(so))
         loaded.append(rows)
       for cb in cutlass.range_constexpr(n_cb):
         h = cb * cols + tid * 8
@@ -906,7 +912,6 @@ class RoleKernelsV1:
     if bid == 0:
       cute.arch.sync_threads()
       if tid == 0:
-        epoch = _ld(wsb + abi.HEADER["epoch"])
         if cutlass.const_expr(self.timeline):
           self._tl_stamp(wsb, epoch + 1, Int32(3))
           self._tl_put(wsb, epoch + 1, Int32(4), Int64(epoch + 1))

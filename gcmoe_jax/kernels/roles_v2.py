@@ -1509,6 +1509,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       if tid == 0:
         self._tl_cta(wsb, cur, bid, Int32(3))
         self._tl_cta_put(wsb, cur, bid, Int32(4), Int64(_lds(ctl + CTL_TL)))
+    if cutlass.const_expr(v.ranks == 1):
+      # Role 3 may run beside this kernel (`abi.FINALIZE_EARLY_TOKENS`): it waits for every CTA's count.
+      self._count_done(counters, abi.role2_done(v.experts, v.capacity, v.shared, v.ranks, v.relay))
 
   @cute.jit
   def _tl_cta_put(self, wsb: Int64, cur: Int32, bid: Int32, word: Int32, value: Int64) -> None:
@@ -2157,9 +2160,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
 
   @cute.jit
   def _spin_geq(self, addr: Int64, target: Int32, wsb: Int64, scope: cutlass.Constexpr = "gpu",
-                patience: cutlass.Constexpr = 1):
-    """One thread: acquire-spin on the counter at ``addr`` until it reaches ``target``, another CTA records a fault,
-    or ``patience`` timeouts pass; (the value last seen, the error flag last seen). No fence, nothing recorded."""
+                patience: cutlass.Constexpr = 1, until_fault: cutlass.Constexpr = True):
+    """One thread: acquire-spin on the counter at ``addr`` until it reaches ``target``, another CTA records a fault
+    (unless ``until_fault`` is False), or ``patience`` timeouts pass; (the value last seen, the error flag last
+    seen). No fence, nothing recorded."""
     flag = v1._gptr(wsb + abi.HEADER["error_flag"])
     timeout = v1._ld(wsb + abi.HEADER["timeout_ns"], cutlass.Uint64)
     if cutlass.const_expr(patience != 1):
@@ -2168,7 +2172,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     seen = cute.arch.load(v1._gptr(addr), Int32, sem="acquire", scope=scope)
     fault = cute.arch.load(flag, Int32, sem="relaxed", scope="gpu")
     elapsed = cutlass.Uint64(0)
-    while (seen < target) & (fault == 0) & (elapsed <= timeout):
+    stops = -1 if until_fault else 0  # the error flag's bits that end the wait
+    while (seen < target) & ((fault & stops) == 0) & (elapsed <= timeout):
       cute.arch.inline_ptx("nanosleep.u32 {$r0};", read_only_args=[Int32(v1.SPIN_SLEEP_NS)])
       seen = cute.arch.load(v1._gptr(addr), Int32, sem="acquire", scope=scope)
       fault = cute.arch.load(flag, Int32, sem="relaxed", scope="gpu")
@@ -2178,12 +2183,13 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   @cute.jit
   def _wait_geq(self, addr: Int64, target: Int32, wsb: Int64, cur: Int32, bid: Int32, what: Int32,
                 role: cutlass.Constexpr = 2, scope: cutlass.Constexpr = "gpu",
-                patience: cutlass.Constexpr = 1) -> Int32:
+                patience: cutlass.Constexpr = 1, until_fault: cutlass.Constexpr = True) -> Int32:
     """One thread: bounded acquire-spin until the counter at ``addr`` reaches ``target``; 1 if it did, else 0
-    (a timeout is recorded as ``role`` with counter ``what``; another CTA's fault ends the wait too). ``scope``
-    "sys": a counter or flag a peer (maybe another GPU) writes. ``patience``: the bound in timeouts (a wait on a
-    thread that itself waits with the plain bound takes 2, so that thread's diagnostic is the one recorded)."""
-    seen, fault = self._spin_geq(addr, target, wsb, scope, patience)
+    (a timeout is recorded as ``role`` with counter ``what``; another CTA's fault ends the wait too, unless
+    ``until_fault`` is False). ``scope`` "sys": a counter or flag a peer (maybe another GPU) writes. ``patience``:
+    the bound in timeouts (a wait on a thread that itself waits with the plain bound takes 2, so that thread's
+    diagnostic is the one recorded)."""
+    seen, fault = self._spin_geq(addr, target, wsb, scope, patience, until_fault)
     ok = Int32(0)
     if seen >= target:
       ok = Int32(1)
@@ -2534,6 +2540,28 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         cute.arch.sync_threads()
         failed = _lds(word)
         cute.arch.sync_threads()
+
+  @cute.jit
+  def _await_role2(self, wsb: Int64, bid: Int32, cur: Int32) -> None:
+    """Role 3 on one GPU, call ``cur``. Where the runtime put it beside role 2 (``HEADER["role2_grid"]`` set:
+    `abi.FINALIZE_EARLY_TOKENS`), this CTA counts itself in (it read the epoch, which block 0 advances at its end),
+    then waits until every role-2 CTA counted itself done; meanwhile a second thread of block 0 waits until every
+    role-3 CTA counted itself in, so the epoch advances only after all of them read it. Both waits are bounded but
+    go on through faults: role 2's CTAs run to their end either way, and none may outlive its call's epoch. Where
+    role 3 runs after role 2 (a graph edge), nothing."""
+    tid, _, _ = cute.arch.thread_idx()
+    grid, _, _ = cute.arch.grid_dim()
+    v = self.v
+    grid2 = v1._ld(wsb + abi.HEADER["role2_grid"])
+    at = abi.role2_done(v.experts, v.capacity, v.shared, v.ranks, v.relay)
+    word = wsb + self.ws.counters + (Int64(cur & 1) * self.words + at) * v1.WORD_BYTES
+    if grid2 != 0:
+      if tid == 0:
+        _red_release_add(word + v1.WORD_BYTES, 1)
+        self._wait_geq(word, grid2, wsb, cur, bid, Int32(abi.WAIT_ROLE2), 3, "gpu", 2, False)
+      if (bid == 0) & (tid == 32):
+        self._wait_geq(word + v1.WORD_BYTES, Int32(grid), wsb, cur, bid, Int32(abi.WAIT_ROLE3), 3, "gpu", 2, False)
+      cute.arch.sync_threads()
 
   @cute.jit
   def _await_returns(self, wsb: Int64, idb: Int64, n_tok: Int32, bid: Int32):
