@@ -196,6 +196,51 @@ def test_a_weight_stage_off_the_fast_path_matches_the_oracle_bit_for_bit():
   assert exact == 1.0
 
 
+@pytest.mark.parametrize("tokens, counts", [(64, (17, 20, 24, 30, 32, 40, 45, 48)),
+                                            (256, (20, 60, 64, 100, 130, 150, 200, 300))])
+def test_wide_passes_match_the_oracle_bit_for_bit_on_the_fast_and_the_slow_path(tokens, counts):
+  """Passes of 17-64 rows (3- to 8-tile bodies, more than one pass per expert past 32 or 64 rows) at capacity 64
+  (two CTAs per SM) and 256 (one), with token 5 scaled by 2**50 (its rows leave the fast path), a NaN in token 9
+  (its outputs alone NaN) and then every case family: bit for bit."""
+  shape = dataclasses.replace(SMALL, tokens=tokens)
+  deal = [e for e in np.argsort(counts)[::-1] for _ in range(counts[e])]
+  ids = jnp.asarray(np.array(deal, np.int32).reshape(shape.top_k, tokens).T)
+  assert sorted(np.bincount(np.asarray(ids).ravel(), minlength=8)) == sorted(counts)
+  x, w, _ = quantized(make_problem("default", shape, seed=tokens))
+  x = x.at[5].multiply(2.0**50).at[9, 3].set(jnp.nan)
+  rw = jnp.asarray(np.random.default_rng(tokens).dirichlet(np.ones(shape.top_k), tokens), jnp.float32)
+  y = np.asarray(gm.moe(x, w, gm.Routes(ids, rw), backend="cuda"), np.float32)
+  want = np.asarray(emulated(x, w, ids, rw, clamp=None), np.float32)
+  _compare(f"wide passes T={tokens}", y, want)
+  assert np.isnan(y[9]).all() and np.isfinite(np.delete(y, 9, axis=0)).all() and y[5].any()
+  ok = ~np.isnan(want)
+  np.testing.assert_array_equal(y[ok].view(np.uint32), want[ok].view(np.uint32))
+  for family in CASE_FAMILIES:
+    p = make_problem(family, shape, seed=tokens + 1)
+    x, w, r = quantized(p)
+    y = gm.moe(x, w, r, clamp=p.shape.clamp, backend="cuda")
+    assert _compare(f"wide passes {family} T={tokens}", y, emulated(x, w, r.ids, r.weights,
+                                                                      clamp=p.shape.clamp)) == 1.0
+
+
+@pytest.mark.parametrize("tokens", [12, 64, 256])
+def test_one_rows_weight_stage_off_the_fast_path_matches_the_oracle_bit_for_bit(tokens):
+  """W13 column 3 of every expert scaled by 2**-70 in its first K128 block only, and W2 column 70 in its second: in
+  those stages the threads that hold that weight row take the slow path and the other threads of their warp (and
+  warpgroup) the fast one, a test each thread makes for its own rows; the warp votes (`roles_v2._compute`: the
+  stage's bodies hold mma.sync.aligned; before session 33 the T = 12 case did not finish in 200 s on the H200).
+  Bit for bit, in narrow passes (T = 12) and wide ones (T = 64, 256)."""
+  shape = dataclasses.replace(SMALL, tokens=tokens)
+  p = make_problem("default", shape, seed=70 + tokens)
+  w13, w2 = p.w13.copy(), p.w2.copy()
+  w13[:, :128, 3] *= 2.0**-70
+  w2[:, 128:256, 70] *= 2.0**-70
+  x, w, r = quantized(dataclasses.replace(p, w13=w13, w2=w2))
+  y = gm.moe(x, w, r, clamp=p.shape.clamp, backend="cuda")
+  want = emulated(x, w, r.ids, r.weights, clamp=p.shape.clamp)
+  assert _compare(f"one row's weight stage off the fast path, T={tokens}", y, want) == 1.0
+
+
 @pytest.mark.parametrize("k", [1, 4, 8])
 def test_role2_lists_the_routes_itself_up_to_four_tokens(k):
   """Up to `roles_v2.ROLE2_SCAN_TOKENS` tokens every role-2 CTA lists the routes itself (`_scan_routes`) instead of

@@ -38,6 +38,9 @@ def _preset_tests() -> list[tuple[int, ...]]:
       small = (*_SMALL[:3], k, cap)
       out += [small, (*small, 256, 128), (*small, 256, 32)]
   out += [(*_SMALL[:3], k, 256) for k in (1, 4)]  # T > 256 in chunks of 256 (test_cuda.py)
+  # Passes of 3-8 n-tiles at capacities 64 (two CTAs per SM) and 256 (one) on every case family (k = 1, 4, 8:
+  # test_cuda.py's wide passes).
+  out += [(*_SMALL[:3], k, 64) for k in (1, 4, 8)] + [(*_SMALL[:3], 8, 256)]
   out.append((*_SMALL[:3], 4, 16, 384, 128))  # a shared GEMM2 of an odd number of K128 tiles (Is = 384)
   out.append((640, *_SMALL[1:3], 4, 8, 256, 32))  # a one-token half's last K step of one K128 tile of four (H = 640)
   # The shared expert's token groups in 32-row-pass variants (groups of 8, capacity 64) and in one-CTA ones (groups

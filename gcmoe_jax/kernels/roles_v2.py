@@ -2740,7 +2740,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   def _compute(self, nt: cutlass.Constexpr, sbs, rows_fast: Int32, acc: cute.Tensor,
                single: cutlass.Constexpr = False, ctl=None, pair=None):
     """The MMAs of the stages at ``sbs`` (one, or the two between paired barriers with `pair_test`): this thread's
-    rows' scale words, then the fast or the slow path of `_stage` (``pair`` 2 or 4: its two- or four-row body).
+    rows' scale words, then the fast or the slow path of `_stage` (``pair`` 2 or 4: its two- or four-row body), the
+    fast one only where every thread of the warp may take it.
     Two stages take ONE fast-path test (fast where both stages' scale bytes allow it, else both slow: the same bits,
     `_stage`) and one choice of body, so that both bodies lie in one basic block and ptxas may overlap the second
     stage's loads, decode and MMAs with the first's epilogue."""
@@ -2757,7 +2758,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       bits = (scws[0][0] ^ (scws[0][0] << 1)) & (scws[0][1] ^ (scws[0][1] << 1))
       for i in cutlass.range_constexpr(1, len(scws)):
         bits = bits & (scws[i][0] ^ (scws[i][0] << 1)) & (scws[i][1] ^ (scws[i][1] << 1))
-      if (rows_fast != 0) & ((bits & SCALE_BYTE_BITS) == SCALE_BYTE_BITS):
+      if _warp_any((rows_fast == 0) | ((bits & SCALE_BYTE_BITS) != SCALE_BYTE_BITS)) == 0:
+        # (a warp's vote: each thread tests its own rows, and the bodies hold mma.sync.aligned, which the whole warp
+        # must run together; the slow body gives the fast one's bits wherever both apply)
         self._stage_body(True, nt, sbs, scws, acc, single, ctl, pair)
       else:
         self._stage_body(False, nt, sbs, scws, acc, single, ctl, pair)
