@@ -153,11 +153,11 @@ def test_nan_activation_poisons_only_its_token():
   assert np.isnan(y[5]).all() and np.isfinite(np.delete(y, 5, axis=0)).all()
 
 
-def _deal(counts):
-  """Expert ids [T, k] of SMALL_GPU under which expert e receives counts[e] rows (T k = 48 in all)."""
+def _deal(counts, shape=SMALL_GPU):
+  """Expert ids [T, k] of ``shape`` under which expert e receives counts[e] rows (T k in all: 48 for SMALL_GPU)."""
   deal = [e for e in np.argsort(counts)[::-1] for _ in range(counts[e])]  # the busiest expert first
-  ids = np.array(deal, np.int32).reshape(SMALL_GPU.top_k, SMALL_GPU.tokens).T  # token t: deal[t], deal[t + 12], ...
-  assert sorted(np.bincount(ids.ravel(), minlength=8)) == sorted(counts)
+  ids = np.array(deal, np.int32).reshape(shape.top_k, shape.tokens).T  # token t: deal[t], deal[t + T], ...
+  assert sorted(np.bincount(ids.ravel(), minlength=shape.experts)) == sorted(counts)
   return ids
 
 
@@ -203,9 +203,7 @@ def test_wide_passes_match_the_oracle_bit_for_bit_on_the_fast_and_the_slow_path(
   (two CTAs per SM) and 256 (one), with token 5 scaled by 2**50 (its rows leave the fast path), a NaN in token 9
   (its outputs alone NaN) and then every case family: bit for bit."""
   shape = dataclasses.replace(SMALL, tokens=tokens)
-  deal = [e for e in np.argsort(counts)[::-1] for _ in range(counts[e])]
-  ids = jnp.asarray(np.array(deal, np.int32).reshape(shape.top_k, tokens).T)
-  assert sorted(np.bincount(np.asarray(ids).ravel(), minlength=8)) == sorted(counts)
+  ids = jnp.asarray(_deal(counts, shape))
   x, w, _ = quantized(make_problem("default", shape, seed=tokens))
   x = x.at[5].multiply(2.0**50).at[9, 3].set(jnp.nan)
   rw = jnp.asarray(np.random.default_rng(tokens).dirichlet(np.ones(shape.top_k), tokens), jnp.float32)
