@@ -105,7 +105,7 @@ class ScopedContext {
 void RegisterVariant(const std::string& key, std::shared_ptr<VariantSpec> spec) {
   Sha256 sha;
   sha.Add(spec->capacity).Add(spec->dispatch_sms).Add(spec->timeout_ns).Add(spec->ws_total).Add(spec->ws_silu_table);
-  sha.Add(spec->planned_compute_sms).Add(spec->ranks).Add(spec->finalize_early_tokens);
+  sha.Add(spec->planned_compute_sms).Add(spec->ranks).Add(spec->finalize_early_tokens).Add(spec->solo_tokens).Add(spec->solo_blocks);
   for (int32_t d : spec->peer_devices) sha.Add(d);
   for (const TensorMapSpec& m : spec->tensormaps) {
     sha.Add(m.param).Add(m.dtype).Add(m.dim0).Add(m.dim1).Add(m.row_stride).Add(m.box0).Add(m.box1).Add(m.swizzle);
@@ -638,7 +638,14 @@ std::string Runtime::Build(int64_t tokens, float clamp) {
   // `finalize_early_tokens`: beside role 2 instead, on the dispatch partition after role 1, where it waits for role
   // 2's CTAs (header.role2_grid), so the edge role 2 -> role 3 and role 3's launch leave the critical path. Only on
   // SMs role 2 cannot use: a waiting role-3 CTA on role 2's partition could keep a role-2 CTA from being resident.
-  bool beside = group_ == nullptr && s.ranks == 1 && tokens <= s.finalize_early_tokens && role_ctx_[0] != role_ctx_[1];
+  // Up to the variant's `solo_tokens` (one GPU, v2 kernels) the graph holds role 2 alone: its CTAs list the routes
+  // themselves, and `combining` more CTAs beyond its resident grid (they start as item CTAs leave) record an id >= E
+  // as role 1 would and do role 3's work, so roles 1 and 3 leave the graph (two nodes, their launches and role 3's
+  // wait).
+  solo_ = group_ == nullptr && s.ranks == 1 && tokens <= s.solo_tokens && s.solo_blocks > 0;
+  const unsigned combining = solo_ ? static_cast<unsigned>(std::max<int64_t>(1, tokens) * s.solo_blocks) : 0u;
+  bool beside = !solo_ && group_ == nullptr && s.ranks == 1 && tokens <= s.finalize_early_tokens &&
+                role_ctx_[0] != role_ctx_[1];
   role_ctx_[2] = role_ctx_[beside ? 0 : 1];
 
   // ---- Cubins and the residency check (eq. 6) at the exact launch configuration.
@@ -680,6 +687,7 @@ std::string Runtime::Build(int64_t tokens, float clamp) {
              std::to_string(role_sms[r]) + " SMs = " + std::to_string(resident) + " (eq. 6)";
     }
   }
+  launch_[1].grid += combining;  // (not resident with the item CTAs: they wait for none of them)
 
   // ---- The pinned mirror of the fault record, then the workspace (InitWorkspace); a rank of a peer group uses the
   // group's workspace, initialised with the group (PeerGroup::Init), and only adds its mirror's address.
@@ -697,12 +705,14 @@ std::string Runtime::Build(int64_t tokens, float clamp) {
     WorkspaceHeader header{};
     header.host_mirror = mirror;
     header.role2_grid = beside ? launch_[1].grid : 0;
+    header.solo = combining;
     std::string err = InitWorkspace(cu_, workspace_, s, header);
     if (!err.empty()) return err;
   }
 
-  // ---- The graph: roles 1 and 2 concurrent roots, role 3 after both (beside role 2: after role 1 only).
-  tokens_ = static_cast<int32_t>(tokens);
+  // ---- The graph: roles 1 and 2 concurrent roots, role 3 after both (beside role 2: after role 1 only); or role 2
+  // alone.
+  tokens_ = static_cast<int32_t>(tokens) | (solo_ ? kTokensSolo : 0);  // (role 2's parameter: only it runs then)
   clamp_ = clamp;
   for (int p = 0; p < kNumPointerParams; ++p) param_ptrs_[p] = &ptrs_[p];
   param_ptrs_[kNumPointerParams] = &tokens_;
@@ -712,6 +722,7 @@ std::string Runtime::Build(int64_t tokens, float clamp) {
   ptrs_[12] = workspace_;
   GCMOE_CU(cu_.cuGraphCreate(&graph_, 0));
   for (int r = 0; r < kNumRoles; ++r) {
+    if (solo_ && r != 1) continue;
     const CUDA_KERNEL_NODE_PARAMS p = NodeParams(r);
     const CUgraphNode* deps = r == 2 ? node_ : nullptr;
     GCMOE_CU(cu_.cuGraphAddKernelNode(&node_[r], graph_, deps, r == 2 ? (beside ? 1 : 2) : 0, &p));
@@ -788,6 +799,7 @@ std::string Runtime::SetParams(const PointerParams& ptrs, bool exec) {
   std::string err = EncodeTensorMaps();
   if (!err.empty()) return err;
   for (int r = 0; r < kNumRoles; ++r) {
+    if (node_[r] == nullptr) continue;  // (solo_: role 2 alone)
     const CUDA_KERNEL_NODE_PARAMS p = NodeParams(r);
     if (exec) {
       GCMOE_CU(cu_.cuGraphExecKernelNodeSetParams(exec_, node_[r], &p));
@@ -838,7 +850,8 @@ std::string Runtime::ReadFault(CUstream stream) {
     msg += (h->error_counter & 0xffff0000u) == 0xc0000u
                ? " (role 3's block 0 waited for role 3's CTAs to start, " + std::to_string(h->error_observed) +
                      " did"
-               : " (role 3, beside role 2, waited for role 2's CTAs to finish, " +
+               : " (role 3's combine (beside role 2, or in role 2's kernel where it runs alone) waited for role 2's "
+                 "CTAs to finish, " +
                      std::to_string(h->error_observed) + " did";
     msg += ", longer than twice " + bound + "; the outputs of that call were set to NaN)";
   } else {
@@ -1099,8 +1112,9 @@ std::string Runtime::SetStall(int32_t e) {
 
 // Registers a kernel variant under `key` (gcmoe_jax/ffi/_cuda.py). `config`: capacity, dispatch_sms, timeout_ns,
 // ws_total, ws_silu_table[, planned compute SMs[, R ranks of the fused transport[, the tokens up to which role 3 may
-// run beside role 2 (abi.FINALIZE_EARLY_TOKENS)[, with R > 1 the CUDA ordinals of its peer groups,
-// group-major]]]] (int64); `launch`: (grid, block, dynamic smem) of roles 1, 2, 3 (9 uint32); the three
+// run beside role 2 (abi.FINALIZE_EARLY_TOKENS)[, the tokens up to which the graph holds role 2 alone
+// (abi.scan_tokens), role 2's combining CTAs per token then (abi.solo_ctas)[, with R > 1 the CUDA ordinals of its
+// peer groups, group-major]]]]] (int64); `launch`: (grid, block, dynamic smem) of roles 1, 2, 3 (9 uint32); the three
 // cubins; the silu table (65536 float32); role 2's TensorMaps (abi.tensormap_fields, 8 int64 each, formal order).
 // Returns 0, or -1 with the reason in `error`.
 GCMOE_EXPORT int gcmoe_register_variant(const char* key, const int64_t* config, int num_config,
@@ -1115,8 +1129,10 @@ GCMOE_EXPORT int gcmoe_register_variant(const char* key, const int64_t* config, 
   }
   const int64_t ranks = num_config > 6 ? config[6] : 1;
   const int64_t finalize_early_tokens = num_config > 7 ? config[7] : 0;
-  const int64_t num_devices = num_config > 8 ? num_config - 8 : 0;
-  std::vector<int32_t> peer_devices(config + std::min<int64_t>(num_config, 8), config + num_config);
+  const int64_t solo_tokens = num_config > 8 ? config[8] : 0;
+  const int64_t solo_blocks = num_config > 9 ? config[9] : 0;
+  const int64_t num_devices = num_config > 10 ? num_config - 10 : 0;
+  std::vector<int32_t> peer_devices(config + std::min<int64_t>(num_config, 10), config + num_config);
   // This process's devices (ordinals >= 0) at most once in all; a device of another process is -(1 + its process
   // index), at most once per group, and a group with one has at most one of this process's (CUDA IPC, not peer
   // access, connects it).
@@ -1190,6 +1206,8 @@ GCMOE_EXPORT int gcmoe_register_variant(const char* key, const int64_t* config, 
   spec->planned_compute_sms = num_config > 5 ? config[5] : 0;
   spec->ranks = ranks;
   spec->finalize_early_tokens = finalize_early_tokens;
+  spec->solo_tokens = solo_tokens;
+  spec->solo_blocks = solo_blocks;
   spec->peer_devices = std::move(peer_devices);
   const void* cubins[3] = {cubin1, cubin2, cubin3};
   const int64_t sizes[3] = {size1, size2, size3};
@@ -1288,7 +1306,7 @@ GCMOE_EXPORT int gcmoe_workspace_header_offsets(int64_t* out, int n) {
       offsetof(gcmoe::WorkspaceHeader, stall_expert),  offsetof(gcmoe::WorkspaceHeader, host_mirror),
       offsetof(gcmoe::WorkspaceHeader, x_ready),       offsetof(gcmoe::WorkspaceHeader, rank),
       offsetof(gcmoe::WorkspaceHeader, steady_timeout_ns), offsetof(gcmoe::WorkspaceHeader, peers),
-      offsetof(gcmoe::WorkspaceHeader, role2_grid)};
+      offsetof(gcmoe::WorkspaceHeader, role2_grid),    offsetof(gcmoe::WorkspaceHeader, solo)};
   const int count = static_cast<int>(sizeof(offsets) / sizeof(offsets[0]));
   for (int i = 0; i < count && i < n; ++i) out[i] = offsets[i];
   return count;

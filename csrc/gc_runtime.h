@@ -63,9 +63,12 @@ struct WorkspaceHeader {
   uint64_t peers[16];  // abi.MAX_RANKS
   // Role 2's grid where role 3 runs beside it on the dispatch partition and waits for its CTAs (0: after it).
   uint32_t role2_grid;
-  uint8_t pad[256 - 196];
+  // Role 2's combining CTAs where the graph holds it alone (abi.HEADER "solo"; a record, not read by kernels).
+  uint32_t solo;
+  uint8_t pad[256 - 200];
 };
 inline constexpr int kMaxRanks = 16;
+inline constexpr int32_t kTokensSolo = 1 << 30;  // abi.TOKENS_SOLO
 static_assert(sizeof(WorkspaceHeader) == 256, "abi.HEADER_BYTES");
 
 struct RoleSpec {
@@ -86,6 +89,10 @@ struct VariantSpec {
   // Up to this many tokens role 3 may run beside role 2, on the dispatch partition after role 1, waiting for role 2's
   // CTAs (abi.FINALIZE_EARLY_TOKENS; 0: never, e.g. kernels whose role 3 does not wait).
   int64_t finalize_early_tokens = 0;
+  // Up to this many tokens the graph holds role 2 alone (abi.scan_tokens; 0: never, e.g. v1 kernels or
+  // GCMOE_SOLO=0): its `tokens` parameter carries kTokensSolo, and it is launched with solo_blocks CTAs per token
+  // (at least one token) beyond its grid, which do roles 1 and 3's work (abi.solo_ctas).
+  int64_t solo_tokens = 0, solo_blocks = 0;
   std::vector<int32_t> peer_devices;
   std::array<RoleSpec, kNumRoles> role;
   std::vector<TensorMapSpec> tensormaps;  // role 2's, in formal order (none for v1 and for test kernels)
@@ -167,7 +174,8 @@ class Runtime {
   WorkspaceHeader* host_header_ = nullptr;  // pinned, mapped mirror of the fault record, written by role 3
   CUgraph graph_ = nullptr;
   CUgraphExec exec_ = nullptr;
-  CUgraphNode node_[kNumRoles] = {nullptr, nullptr, nullptr};
+  CUgraphNode node_[kNumRoles] = {nullptr, nullptr, nullptr};  // (role 2's alone where solo_)
+  bool solo_ = false;  // the graph holds role 2 alone (VariantSpec::solo_tokens, header.solo)
   // Kernel parameter storage (the graph reads it when params are set): 13 pointers, tokens, clamp.
   PointerParams ptrs_{};
   int32_t tokens_ = 0;

@@ -241,7 +241,7 @@ def test_one_rows_weight_stage_off_the_fast_path_matches_the_oracle_bit_for_bit(
 
 @pytest.mark.parametrize("k", [1, 4, 8])
 def test_role2_lists_the_routes_itself_up_to_four_tokens(k):
-  """Up to `roles_v2.ROLE2_SCAN_TOKENS` tokens every role-2 CTA lists the routes itself (`_scan_routes`) instead of
+  """Up to `abi.SCAN_TOKENS` tokens every role-2 CTA lists the routes itself (`_scan_routes`) instead of
   reading role 1's closed queue: T = 1..5 (at 5 the queue again), every token routed to expert 7 too, the last one
   twice and token 0 with a padding route, routed and with the shared expert; bit-exact."""
   for shared in (None, 32):
@@ -262,8 +262,9 @@ def test_role2_lists_the_routes_itself_up_to_four_tokens(k):
 
 
 def test_up_to_four_tokens_role2_does_not_wait_for_role1s_queue(monkeypatch):
-  """Role 1 withholds an expert hit (the test hook), so its active queue never closes: at T = 3 role 2 listed the
-  routes itself and the call is exact; at T = 5 role 2 waits for the queue and the call raises its timeout."""
+  """Role 1 withholds an expert hit (the test hook), so its active queue never closes: at T = 3 role 2 lists the
+  routes itself (and runs alone: role 1 is not in the graph) and the call is exact; at T = 5 role 2 waits for the
+  queue and the call raises its timeout."""
   monkeypatch.setenv("GCMOE_SYNC_CHECK", "1")
   monkeypatch.setenv("GCMOE_WAIT_TIMEOUT_MS", "50")
   for tokens in (3, 5):
@@ -288,12 +289,13 @@ def test_up_to_four_tokens_role2_does_not_wait_for_role1s_queue(monkeypatch):
 def test_up_to_eight_tokens_role3_runs_beside_role2(shared):
   """One GPU, up to `abi.FINALIZE_EARLY_TOKENS` tokens: the runtime puts role 3 on the dispatch partition after role
   1, where it waits for role 2's CTAs (``HEADER["role2_grid"]``, `abi.role2_done`) instead of following role 2 in
-  the graph; above, after role 2, waiting for nothing. Three calls each at T = 1, 8 (beside) and 9 (after): all
-  bit-exact, the epoch advanced by each, and in the last call's counters every role-2 CTA counted itself done and
-  (beside) every role-3 CTA, one per token, counted itself in."""
+  the graph; above, after role 2, waiting for nothing (at most `abi.scan_tokens`, role 2 runs alone: see the next
+  test). Three calls each at T = 5, 8 (beside) and 9 (after): all bit-exact, the epoch advanced by each, and in the
+  last call's counters every role-2 CTA counted itself done and (beside) every role-3 CTA, one per token, counted
+  itself in."""
   from gcmoe_jax.ffi import _cuda
   from gcmoe_jax.kernels import abi, build
-  for tokens in (1, 8, 9):
+  for tokens in (5, 8, 9):
     shape = dataclasses.replace(SMALL, tokens=tokens, shared_intermediate=256 if shared else None,
                                 shared_group=shared or 128)
     x, w, r = quantized(make_problem("default", shape, seed=70 + tokens))
@@ -311,6 +313,7 @@ def test_up_to_eight_tokens_role3_runs_beside_role2(shared):
       header = np.frombuffer(raw, np.uint32, abi.HEADER_BYTES // 4)
       epochs.append(int(header[abi.HEADER["epoch"] // 4]))
     grid2 = int(header[abi.HEADER["role2_grid"] // 4])
+    assert header[abi.HEADER["solo"] // 4] == 0
     args = (variant.experts, variant.capacity, variant.shared)
     words, at = abi.counter_words(*args), abi.role2_done(*args)
     last = np.frombuffer(raw, np.uint32, words, ws.counters + 4 * words * (epochs[-1] & 1))
@@ -321,6 +324,58 @@ def test_up_to_eight_tokens_role3_runs_beside_role2(shared):
       assert grid2 > 0 and last[at] == grid2 and last[at + 1] == tokens
     else:
       assert grid2 == 0 and last[at] > 0 and last[at + 1] == 0
+
+
+@pytest.mark.parametrize("shared", [None, 32], ids=["routed", "shared32"])
+def test_up_to_four_tokens_role2_runs_alone(shared, monkeypatch):
+  """One GPU, up to `abi.scan_tokens` tokens: the graph holds role 2 alone (`abi.TOKENS_SOLO`); its CTAs list the
+  routes and `abi.solo_ctas` more CTAs, beyond its resident grid, check the ids and combine y. At T = 1, 3 and 4
+  (and T = 5, where roles 1 and 3 run): 12 calls each over three rotating inputs (a stale y would show), every one
+  bit-exact; the epoch advanced by one per call; in the last call's counters every combining CTA counted itself in
+  and none of role 3's ran beside; an id >= E under ``jit`` raises naming it and the next call is exact again; and
+  with ``GCMOE_SOLO=0`` the graph has all three roles again, exact."""
+  from gcmoe_jax.ffi import _cuda
+  from gcmoe_jax.kernels import abi, build
+  monkeypatch.setenv("GCMOE_SYNC_CHECK", "1")
+  for solo_env, tokens_list in (("1", (1, 3, 4, 5)), ("0", (2,))):
+    monkeypatch.setenv("GCMOE_SOLO", solo_env)
+    for tokens in tokens_list:
+      shape = dataclasses.replace(SMALL, tokens=tokens, shared_intermediate=256 if shared else None,
+                                  shared_group=shared or 128)
+      # A clamp of its own: the runtime (and so the workspace read back) is this loop's, not a cached one.
+      clamp = 11.5 + tokens / 64 + (1 / 128 if shared else 0) + (1 / 256 if solo_env == "0" else 0)
+      problems = [quantized(make_problem("default", shape, seed=90 + 7 * tokens + i)) for i in range(3)]
+      w0 = problems[0][1]  # one layer's weights, three inputs
+      inputs = [(x, r, np.asarray(emulated(x, w0, r.ids, r.weights, clamp=clamp)).view(np.uint16))
+                for x, _, r in problems]
+      step = jax.jit(lambda x, r, clamp=clamp, w0=w0: gm.moe(x, w0, r, clamp=clamp, backend="cuda"))
+      variant = build.Variant(shape.hidden, shape.intermediate, shape.experts, shape.top_k, 8,
+                              256 if shared else None, shared)
+      ws = variant.workspace("v2")
+      epochs = []
+      for n in range(12):
+        x, r, want = inputs[n % 3]
+        y = step(x, r)
+        np.testing.assert_array_equal(np.asarray(y).view(np.uint16), want, err_msg=f"T={tokens} call {n}")
+        raw = _cuda.debug_read_workspace(0, ws.total)
+        header = np.frombuffer(raw, np.uint32, abi.HEADER_BYTES // 4)
+        epochs.append(int(header[abi.HEADER["epoch"] // 4]))
+      alone = solo_env == "1" and tokens <= abi.scan_tokens(shape.top_k, 8)
+      combining = int(header[abi.HEADER["solo"] // 4])
+      args = (variant.experts, variant.capacity, variant.shared)
+      words, at = abi.counter_words(*args), abi.role2_done(*args)
+      last = np.frombuffer(raw, np.uint32, words, ws.counters + 4 * words * (epochs[-1] & 1))
+      print(f"\n  T={tokens} GCMOE_SOLO={solo_env}: epochs {epochs[0]}..{epochs[-1]}, combining CTAs {combining}, "
+            f"item CTAs done {last[at]}, combining CTAs in {last[at + 1]}")
+      assert epochs == list(range(epochs[0], epochs[0] + 12))
+      assert combining == (abi.solo_ctas(shape.hidden, tokens) if alone else 0)
+      assert last[at] > 0 and last[at + 1] == (combining if alone else tokens)
+      if alone and tokens == 3:
+        bad = inputs[0][1].ids.at[1, 0].set(shape.experts + 91)
+        with pytest.raises(Exception, match=rf"role 1 read expert id {shape.experts + 91}"):
+          step(inputs[0][0], gm.Routes(bad, inputs[0][1].weights)).block_until_ready()
+        y = step(inputs[1][0], inputs[1][1])
+        np.testing.assert_array_equal(np.asarray(y).view(np.uint16), inputs[1][2], err_msg="after the fault")
 
 
 PAPER = {"glm5.2": (6144, 2048, 32, 8), "dsv4.1-flash": (5120, 2304, 48, 6)}

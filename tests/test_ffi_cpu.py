@@ -445,7 +445,7 @@ def test_fused_variant_registration_checks_its_peer_groups(ranks, devices, ok):
   a group mixing two of this process's devices with another process's, ordinals without R > 1 and R past
   abi.MAX_RANKS, naming what it got."""
   from gcmoe_jax.ffi import _cuda
-  config = (8, 6, 10**9, 4096, 256, 0, ranks, 0, *devices)
+  config = (8, 6, 10**9, 4096, 256, 0, ranks, 0, 0, 0, *devices)
   call = lambda: _cuda.register_raw(f"fused-registration-{ranks}-{devices}", config, (0, 256, 0) * 3,
                                     [b"\0"] * 3, reference.silu_table())
   if ok:

@@ -277,6 +277,26 @@ def test_role1_publishes_with_release_and_role3_advances_the_epoch(built, arch):
 @needs_dsl
 @pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
 @pytest.mark.parametrize("arch", build.ARCHS)
+def test_role2_alone_has_its_combining_ctas_branch_off_at_the_start(built, arch):
+  """Up to `abi.scan_tokens` tokens the graph holds role 2 alone (`abi.TOKENS_SOLO` in its ``tokens``): its last
+  CTAs do role 3's work. In the PTX: the bit's test, the combining path's bounded waits (nanosleep, globaltimer),
+  its 16-byte row loads through L2 and its y stores; and the sizes of that path (`abi.solo_ctas`,
+  `abi.scan_tokens`)."""
+  r2 = _ptx(built[arch], 2)
+  assert re.search(rf"setp\.gt\.s32\s+%p\d+, %r\d+, {abi.TOKENS_SOLO - 1};", r2) or \
+    re.search(rf"setp\.ge\.s32\s+%p\d+, %r\d+, {abi.TOKENS_SOLO};", r2), "the TOKENS_SOLO test of T"
+  # A combining CTA loads the k rows of its block through L2 (16 B a thread: the item CTAs wrote them during the
+  # kernel) and stores y 16 B a thread; the item path has neither.
+  assert r2.count("ld.global.cg.v4.u32") == SMALL.top_k and "st.global.v4.u32" in r2
+  assert "nanosleep.u32" in r2 and "globaltimer" in r2
+  assert abi.solo_ctas(6144, 1) == 3 and abi.solo_ctas(5120, 4) == 12 and abi.solo_ctas(512, 0) == 1
+  assert abi.COMBINE_COLS == 8 * 256 and abi.scan_tokens(8, 8) == 4 and abi.scan_tokens(16, 8) == 2
+  assert abi.scan_tokens(6, 2) == 2 and abi.scan_tokens(8, 8, ranks=2) == 0
+
+
+@needs_dsl
+@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
+@pytest.mark.parametrize("arch", build.ARCHS)
 def test_finalize_occupancy_directive_follows_the_geometry(built, arch):
   """§5.1 "finalize occupancy": on SM120 role 3's .minnctapersm is the CTAs per SM the geometry plans its grid with;
   Hopper keeps CuTe's directive."""
@@ -469,7 +489,8 @@ def test_fused_workspace_holds_every_ranks_rows_and_leaves_the_local_layout_alon
 @needs_dsl
 def test_fused_roles_synchronise_at_system_scope(cache):
   """The fused variant's role 1 waits for the peers' publications and role 2 returns rows and counts them at
-  system scope (a peer may be another GPU); the local variant's role 2 has no system-scope access at all."""
+  system scope (a peer may be another GPU); the local variant's role 2 has no system-scope access but the fault
+  record's copy into the pinned host mirror (its combining CTA 0 where role 2 runs alone, as role 3 does)."""
   meta = build.compile_variant("sm_90a", Variant(512, 256, 4, 4, 16, ranks=2), cache_dir=cache)
   role1, role2, role3 = (_ptx(meta, r) for r in (1, 2, 3))
   assert "gcmoe_role1_dispatch_fused" in role1 and "ld.acquire.sys" in role1 and "ld.global.cg.u32" in role1
@@ -479,7 +500,9 @@ def test_fused_roles_synchronise_at_system_scope(cache):
   assert "st.release.sys" in role2 and "red.release.sys" in role2
   assert "ld.acquire.sys" in role3
   local = build.compile_variant("sm_90a", SMALL, cache_dir=cache)
-  assert ".sys" not in _ptx(local, 2)
+  system = [line.split()[0] for line in _ptx(local, 2).splitlines() if ".sys" in line]
+  assert sorted(system) == ["st.relaxed.sys.global.b32"] * (len(abi.MIRROR_WORDS) - 1) + [
+    "st.release.sys.global.b32"], system
 
 
 @needs_dsl

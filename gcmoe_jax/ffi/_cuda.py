@@ -112,7 +112,9 @@ def register_raw(key: str, config: tuple[int, ...], launch: tuple[int, ...], cub
     config: (capacity, dispatch SMs requested, timeout ns, workspace bytes, silu table offset[, compute SMs the
       geometry planned: the runtime rejects a driver split that differs; 0 or absent: not checked[, R ranks (1: one
       GPU)[, the tokens up to which role 3 may run beside role 2 (`abi.FINALIZE_EARLY_TOKENS`; 0 or absent: never)[,
-      with R > 1 the CUDA ordinals of the fused transport's peer groups, group-major]]]]).
+      the tokens up to which the graph holds role 2 alone (`abi.scan_tokens`; 0 or absent: never), role 2's
+      combining CTAs per token there (`abi.solo_ctas`)[, with R > 1 the CUDA ordinals of the fused transport's peer
+      groups, group-major]]]]]).
     launch: (grid, block, dynamic SMEM) of roles 1, 2, 3; grid 0 is the runtime's choice.
     cubins: the three role cubins. silu: the float32 table of `reference.silu_table`.
     tensormaps: role 2's TensorMaps (`build.BuiltVariant.tensormap_fields`): the runtime encodes them from the
@@ -145,7 +147,7 @@ def workspace_bytes(ws: abi.Workspace) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _register(arch: str, variant: build.Variant, dispatch_sms: int, compute_sms: int, timeout_ns: int,
-              peer_devices: tuple[int, ...] = (), partition_dispatch_sms: int = 0) -> str:
+              peer_devices: tuple[int, ...] = (), partition_dispatch_sms: int = 0, solo: bool = True) -> str:
   ablation = _config.get("GCMOE_ABLATION")
   if ablation:
     # A timing build (docs/kernels_v2.md) must never pass for the operator: say so at every variant it serves.
@@ -156,10 +158,13 @@ def _register(arch: str, variant: build.Variant, dispatch_sms: int, compute_sms:
   ws = variant.workspace()
   key = f"{build.cache_key(arch, variant)}:d{dispatch_sms}:c{compute_sms}:t{timeout_ns}"
   # One GPU, v2 kernels: role 3 may run beside role 2 up to `abi.FINALIZE_EARLY_TOKENS` (its v2 kernel waits for
-  # role 2's CTAs where the runtime put it there).
-  early = abi.FINALIZE_EARLY_TOKENS if variant.ranks == 1 and build.generation() == "v2" else 0
+  # role 2's CTAs where the runtime put it there), and up to `abi.scan_tokens` role 2 runs alone (unless GCMOE_SOLO=0).
+  one_gpu_v2 = variant.ranks == 1 and build.generation() == "v2"
+  early = abi.FINALIZE_EARLY_TOKENS if one_gpu_v2 else 0
+  solo_tokens = abi.scan_tokens(variant.top_k, variant.capacity) if one_gpu_v2 and solo else 0
+  key += f":s{solo_tokens}"
   config = (variant.capacity, dispatch_sms, timeout_ns, workspace_bytes(ws), ws.silu_table, compute_sms,
-            variant.ranks, early)
+            variant.ranks, early, solo_tokens, abi.solo_ctas(variant.hidden, 1))
   launch = tuple(v for r in (1, 2, 3) for v in built.launch(r, compute_sms))
   if variant.ranks > 1:
     # The fused transport: the CUDA ordinals of every peer group, group-major; role 1's pulls spread over the
@@ -206,7 +211,8 @@ def prepare(hidden: int, intermediate: int, experts: int, top_k: int, tokens: in
   if problems:
     raise ValueError("moe: the green-context split cannot run here: " + "; ".join(problems))
   key = _register(s.reason, variant, partition.dispatch_requested, partition.compute_sms, timeout_ns,
-                  tuple(d for g in peer_groups for d in g), partition.dispatch_sms if peer_groups else 0)
+                  tuple(d for g in peer_groups for d in g), partition.dispatch_sms if peer_groups else 0,
+                  _config.get("GCMOE_SOLO"))
   if any(d < 0 for g in peer_groups for d in g):
     connect_processes(key, f"{build.cache_key(s.reason, variant)}.g{len(peer_groups)}", peer_groups, exchange)
   return key

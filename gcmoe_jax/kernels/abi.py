@@ -12,12 +12,13 @@ runtime (`csrc/`) receives them as FFI attributes computed here, so the two cann
 and ``rows[e]``, and in the v2 kernels appends an expert with rows to the call's active queue (`active_queue`);
 role 2 waits for ``ready[e] == cur`` (v1) or for the queue's final size (v2, which then reads the closed queue;
 acquire, bounded by ``header.timeout_ns``); role 3 runs after both (graph edges) and stores ``epoch = cur`` last.
-Nothing is reset between calls, and a replay under an XLA command buffer (where the host handler is not called)
+(Where the graph holds role 2 alone, `TOKENS_SOLO`, its item CTAs list the routes themselves and its combining CTAs
+do role 3's part.) Nothing is reset between calls, and a replay under an XLA command buffer (where the host handler is not called)
 stays correct because the epoch lives on the device.
 
 **Faults.** A wait that expires writes the error record (role, block, epoch, counter = the awaited expert,
 observed value) once (CAS on ``error.flag``), and the role returns without trapping, so the context stays usable;
-role 3 then writes NaN into every output row and copies the record into the runtime's pinned host mirror
+role 3 (or role 2's combining CTAs) then writes NaN into every output row and copies the record into the runtime's pinned host mirror
 (``host_mirror``, mapped memory: no copy node in the graph, nothing written on the common path). The runtime reads
 the mirror without synchronising and reports the record as an FFI error.
 """
@@ -29,8 +30,8 @@ import dataclasses
 from gcmoe_jax import geometry
 
 __all__ = ["HEADER", "PARAMS", "Workspace", "active_queue", "arrivals", "counter_words", "fused_counters",
-           "item_order", "pull_cache", "queue_counter", "relay_counters", "role2_done", "workspace_layout",
-           "SILU_TABLE_ENTRIES"]
+           "item_order", "pull_cache", "queue_counter", "relay_counters", "role2_done", "scan_tokens",
+           "workspace_layout", "SILU_TABLE_ENTRIES"]
 
 # Kernel parameter names, in order: 13 pointers, then T (int32) and clamp (float32).
 PARAMS = ("x", "ids", "route_weights", "w13", "w13_scale", "w2", "w2_scale", "s13", "s13_scale", "s2", "s2_scale",
@@ -79,6 +80,9 @@ HEADER = {
   # role 1) and waits for that many role-2 CTAs to count themselves done (`role2_done`); 0: role 3 runs after role 2
   # (a graph edge) and does not wait. See `FINALIZE_EARLY_TOKENS`.
   "role2_grid": 192,
+  # u32, set once by the runtime: role 2's combining CTAs where the graph holds role 2 alone (`TOKENS_SOLO`), 0 where
+  # roles 1 and 3 run too (the kernels do not read it: a record for tests and debugging).
+  "solo": 196,
 }
 MAX_RANKS = 16
 # Words of the header that role 3 copies to ``host_mirror`` when ``error_flag`` is set: error_flag .. error_observed.
@@ -93,6 +97,16 @@ HEADER_BYTES = 256
 # graph edge role 2 -> role 3 and role 3's launch leave the critical path (docs/kernels_v2.md "Role 3 beside role
 # 2"). One CTA per token must fit the dispatch partition (else role 3 stays after role 2).
 FINALIZE_EARLY_TOKENS = 8
+# One GPU, v2 kernels: up to this many tokens (and 32 assignments: `scan_tokens`) every role-2 CTA lists the routes
+# itself (`roles_v2.RoleKernelsV2._scan_routes`) instead of reading role 1's active queue, and the runtime's graph
+# holds role 2 alone (`TOKENS_SOLO`): role 1's remaining work (the fault of an id >= E) and role 3's (y) move into
+# role 2's kernel, so two nodes, their launches and role 3's wait leave the layer (docs/kernels_v2.md "Role 2 alone
+# at B <= 4").
+SCAN_TOKENS = 4
+# Role 2's ``tokens`` parameter carries this bit where the graph holds role 2 alone: its last CTAs, one per token and
+# block of `roles_v1.COMBINE_COLS` columns (`solo_ctas`), launched beyond the resident grid, do roles 1 and 3's work.
+TOKENS_SOLO = 1 << 30
+COMBINE_COLS = 2048  # columns of y per combining CTA (8 per thread of 256: `roles_v1.RoleKernelsV1._combine`)
 PLANES = 3  # signed 6-bit digit planes of an E4M3 value times 512 (|512 v| <= 229,376 < 2**18)
 DIGIT_BITS = 6
 NAN_WORD = 0x7FFFFFFF  # exponent word of a block that held a NaN/Inf (not a multiple of 2**23)
@@ -116,8 +130,9 @@ WAIT_GATE = 0x90000  # a role-1 CTA of the direct scan (B <= 2) waited for block
 # Role 2 waited for role 1 to close its active queue (+ the entries appended; observed: the same). Where an expert is
 # still unpublished when the bound expires, the record names it instead (WAIT_READY + e, observed ready[e]).
 WAIT_QUEUE = 0xA0000
-# Role 3 beside role 2 (`FINALIZE_EARLY_TOKENS`) waited for role 2's CTAs to finish (observed: the CTAs done), or
-# its block 0 for every role-3 CTA to have read the epoch (observed: the CTAs in).
+# Role 3 beside role 2 (`FINALIZE_EARLY_TOKENS`), or role 2's combining CTAs where it runs alone (`TOKENS_SOLO`),
+# waited for role 2's CTAs to finish (observed: the CTAs done), or role 3's block 0 for every role-3 CTA to have read
+# the epoch (observed: the CTAs in).
 WAIT_ROLE2, WAIT_ROLE3 = 0xB0000, 0xC0000
 ITEM_NONE = 0x7FFFFFFF  # role 2 of the fused transport: a claim that found no item (an expired wait for the queue)
 STALL_CALL = -2  # stall_expert of a fused-transport rank that never publishes its call (x_ready) to the peers
@@ -133,6 +148,17 @@ TL_CALLS, TL_CTAS, TL_ITEMS, TL_HEAD = 16, 512, 48, 16
 TL_CTA_WORDS = 8 + 4 * TL_ITEMS
 TL_CALL_WORDS = TL_HEAD + TL_CTAS * TL_CTA_WORDS
 TIMELINE_BYTES = 8 * TL_CALLS * TL_CALL_WORDS
+
+
+def scan_tokens(top_k: int, capacity: int, ranks: int = 1) -> int:
+  """The tokens up to which role 2 (v2) lists the routes itself and the graph may hold role 2 alone: `SCAN_TOKENS`,
+  at most 32 assignments (a lane each) and the token capacity; 0 with the fused transport (R > 1)."""
+  return 0 if ranks > 1 else min(SCAN_TOKENS, 32 // top_k, capacity)
+
+
+def solo_ctas(hidden: int, tokens: int) -> int:
+  """Role 2's combining CTAs where the graph holds it alone with ``tokens`` tokens (at least one)."""
+  return max(tokens, 1) * -(-hidden // COMBINE_COLS)
 
 
 def _align(n: int) -> int:
@@ -231,8 +257,9 @@ def counter_words(experts: int, capacity: int, shared: bool, ranks: int = 1, rel
 
 def role2_done(experts: int, capacity: int, shared: bool, ranks: int = 1, relay: bool = False) -> int:
   """Word index, in one parity of ``counters``, of role 2's CTAs done: each adds 1 (release) after its last item's
-  stores, and role 3 beside role 2 waits for ``HEADER["role2_grid"]`` of them (`FINALIZE_EARLY_TOKENS`); the next
-  word counts role 3's CTAs in."""
+  stores, and role 3 beside role 2 waits for ``HEADER["role2_grid"]`` of them (`FINALIZE_EARLY_TOKENS`), or where
+  role 2 runs alone (`TOKENS_SOLO`) its combining CTAs for all of its item CTAs; the next word counts role 3's CTAs
+  (or the combining ones) in."""
   return active_queue(experts, capacity, shared, ranks, relay) + 2 + experts + (2 * experts if ranks > 1 else 0)
 
 

@@ -74,6 +74,8 @@ from gcmoe_jax.kernels.build import Variant
 __all__ = ["ROLE_NAMES", "THREADS", "RoleKernelsV1", "smem_bytes"]
 
 THREADS = 256  # one CTA = 8 warps, all doing the same thing (no warp specialisation in v1)
+COMBINE_COLS = abi.COMBINE_COLS  # columns of y per block of the combine (`RoleKernelsV1._combine`): 8 per thread
+assert COMBINE_COLS == 8 * THREADS
 MIN_CTAS_PER_SM = 1  # .minnctapersm 1: ptxas may use 255 registers at 256 threads (else it caps at 128 and spills)
 POINTER_ALIGN = 16  # every pointer parameter (16-byte vector loads of weights and x rows)
 ROLE_NAMES = ("gcmoe_role1_dispatch_v1", "gcmoe_role2_compute_v1", "gcmoe_role3_finalize_v1")
@@ -494,12 +496,28 @@ class RoleKernelsV1:
     """Timeline build: the current %globaltimer into word ``word`` of this call's slot."""
     self._tl_put(wsb, cur, word, cute.arch.globaltimer())
 
+  def _counter(self, wsb: Int64, cur: Int32, at) -> Int64:
+    """The address of word ``at`` of call ``cur``'s parity of the v2 ``counters`` section (`abi.counter_words`) in
+    the workspace at ``wsb`` (this rank's or a peer's: the layout is the same on every rank)."""
+    v = self.v
+    words = abi.counter_words(v.experts, v.capacity, v.shared, v.ranks, v.relay)
+    return wsb + self.ws.counters + (Int64(cur & 1) * words + at) * WORD_BYTES
+
   def _active_queue(self, wsb: Int64, cur: Int32) -> Int64:
     """The address of call ``cur``'s active queue (v2 workspaces: `abi.active_queue` in the parity's counters)."""
     v = self.v
-    words = abi.counter_words(v.experts, v.capacity, v.shared, v.ranks, v.relay)
-    at = abi.active_queue(v.experts, v.capacity, v.shared, v.ranks, v.relay)
-    return wsb + self.ws.counters + (Int64(cur & 1) * words + at) * WORD_BYTES
+    return self._counter(wsb, cur, abi.active_queue(v.experts, v.capacity, v.shared, v.ranks, v.relay))
+
+  @cute.jit
+  def _clear_next_counters(self, wsb: Int64, epoch: Int32) -> None:
+    """A CTA zeroes the counters of the next call (parity ``epoch & 1``, as this call is ``epoch + 1``): the previous
+    call, which used that parity, is done, and the next call's kernels cannot start before this one ends. (With the
+    fused transport, peers count into this rank's next parity only after its next call published: see
+    `RoleKernelsV2._await_returns`.)"""
+    v = self.v
+    tid, _, _ = cute.arch.thread_idx()
+    for i in range(tid, abi.counter_words(v.experts, v.capacity, v.shared, v.ranks, v.relay), THREADS):
+      _st(self._counter(wsb, epoch, i), 0)
 
   def dynamic_smem(self, role: int) -> int:
     """Dynamic SMEM bytes of role ``role`` (1-3): v1 uses static SMEM only."""
@@ -858,57 +876,13 @@ class RoleKernelsV1:
       self._await_returns(wsb, idb, n_tok, bid)  # the peers' GEMM2 rows of this rank's tokens (fused transport)
     if cutlass.const_expr(self.GENERATION == "v2"):
       if bid == 0:
-        # The next call (parity epoch & 1, as cur = epoch + 1 here) counts from zero: the previous call, which used
-        # that parity, is done, and the next call's kernels cannot start before this one ends. (With the fused
-        # transport, peers count into this rank's next parity only after its next call published: see
-        # `_await_returns`.)
-        nxt = epoch & 1
-        words = abi.counter_words(v.experts, v.capacity, v.shared, v.ranks, v.relay)
-        for i in range(tid, words, THREADS):
-          _st(wsb + ws.counters + (Int64(nxt) * words + i) * WORD_BYTES, 0)
+        self._clear_next_counters(wsb, epoch)
       if cutlass.const_expr(v.ranks == 1):
         self._await_role2(wsb, bid, epoch + 1)  # (beside role 2: until its CTAs are done)
     fault = _ld(wsb + abi.HEADER["error_flag"])  # (after role 2's faults, also where role 3 waited for them)
-    # A CTA per token (tokens bid, bid + grid, ...); a thread sums 8 adjacent columns with 16-byte accesses in each of
-    # the token's blocks of 8 THREADS columns, all k rows of every block loaded before the first sum, so a token
-    # takes one round trip, not one per block (one CTA per token took 24 dependent round trips at H = 6144: 15 us;
-    # a block at a time, 2.8 us at B = 1 on the H200: docs/kernels_v2.md).
-    cols = 8 * THREADS
-    n_cb = (v.hidden + cols - 1) // cols
+    # A CTA per token (tokens bid, bid + grid, ...), all of its column blocks.
     for t in range(bid, n_tok, Int32(grid)):
-      valid = [_ld_nc(idb + Int64(t * v.top_k + j) * WORD_BYTES) >= 0 for j in range(v.top_k)]
-      loaded = []
-      for cb in cutlass.range_constexpr(n_cb):
-        h = cutlass.min(cb * cols + tid * 8, v.hidden - 8)  # (past H: a valid address, its sums not stored)
-        rows = []
-        for j in cutlass.range_constexpr(v.top_k):
-          row = wsb + ws.arena + (Int64(t * v.top_k + j) * v.hidden + h) * BF16_BYTES  # arena[t k + j, h .. h + 7]
-          # Written during this kernel's life (by the peers, or by role 2 beside it): not the read-only path.
-          if cutlass.const_expr(self.GENERATION == "v2"):
-            rows.append(_ld_cg_v4(row))
-          else:
-            rows.append(_ld_nc_v4(row))
-        if cutlass.const_expr(v.shared):
-          so = wsb + ws.shared_out + (Int64(t) * v.hidden + h) * BF16_BYTES  # shared_out[t, h ..]
-          rows.append(_ld_cg_v4(so) if cutlass.const_expr(self.GENERATION == "v2") else _ld_nc_v4(so))
-        loaded.append(rows)
-      for cb in cutlass.range_constexpr(n_cb):
-        h = cb * cols + tid * 8
-        acc = cute.make_rmem_tensor(8, Int32)
-        for i in cutlass.range_constexpr(8):
-          acc[i] = Int32(0)  # +0.0
-        for j in cutlass.range_constexpr(v.top_k):
-          o = loaded[cb][j]
-          for i in cutlass.range_constexpr(8):
-            acc[i] = _fadd(acc[i], cutlass.select_(valid[j], _bf16_half(o[i // 2], i % 2), Int32(0)))
-        if cutlass.const_expr(v.shared):
-          so = loaded[cb][v.top_k]
-          for i in cutlass.range_constexpr(8):
-            acc[i] = _fadd(acc[i], _bf16_half(so[i // 2], i % 2))
-        out = [cutlass.select_(fault != 0, Int32(BF16_QNAN), _bf16_rne(acc[i])) for i in range(8)]
-        if h < v.hidden:
-          _st_v4(yb + (Int64(t) * v.hidden + h) * BF16_BYTES,
-                 *(out[2 * i] | (out[2 * i + 1] << BF16_SHIFT) for i in range(4)))
+      self._combine(t, 0, (v.hidden + COMBINE_COLS - 1) // COMBINE_COLS, wsb, idb, yb, fault)
     if bid == 0:
       cute.arch.sync_threads()
       if tid == 0:
@@ -922,6 +896,48 @@ class RoleKernelsV1:
         if fault != 0:
           _mirror_fault(wsb)
 
+  @cute.jit
+  def _combine(self, t: Int32, cb0, n_cb: cutlass.Constexpr, wsb: Int64, idb: Int64, yb: Int64, fault: Int32):
+    """y[t] = bf16(sum_j o_j + shared) (NaN after a fault) over the ``n_cb`` blocks of `COMBINE_COLS` columns from
+    block ``cb0``: a thread sums 8 adjacent columns with 16-byte accesses in each block, all k rows of every block
+    loaded before the first sum, so a token takes one round trip, not one per block (one CTA per token took 24
+    dependent round trips at H = 6144: 15 us; a block at a time, 2.8 us at B = 1 on the H200: docs/kernels_v2.md)."""
+    v, ws = self.v, self.ws
+    tid, _, _ = cute.arch.thread_idx()
+    cols = COMBINE_COLS
+    valid = [_ld_nc(idb + Int64(t * v.top_k + j) * WORD_BYTES) >= 0 for j in range(v.top_k)]
+    loaded = []
+    for cb in cutlass.range_constexpr(n_cb):
+      h = cutlass.min((cb0 + cb) * cols + tid * 8, v.hidden - 8)  # (past H: a valid address, its sums not stored)
+      rows = []
+      for j in cutlass.range_constexpr(v.top_k):
+        row = wsb + ws.arena + (Int64(t * v.top_k + j) * v.hidden + h) * BF16_BYTES  # arena[t k + j, h .. h + 7]
+        # Written during this kernel's life (by the peers, or by role 2 beside it): not the read-only path.
+        if cutlass.const_expr(self.GENERATION == "v2"):
+          rows.append(_ld_cg_v4(row))
+        else:
+          rows.append(_ld_nc_v4(row))
+      if cutlass.const_expr(v.shared):
+        so = wsb + ws.shared_out + (Int64(t) * v.hidden + h) * BF16_BYTES  # shared_out[t, h ..]
+        rows.append(_ld_cg_v4(so) if cutlass.const_expr(self.GENERATION == "v2") else _ld_nc_v4(so))
+      loaded.append(rows)
+    for cb in cutlass.range_constexpr(n_cb):
+      h = (cb0 + cb) * cols + tid * 8
+      acc = cute.make_rmem_tensor(8, Int32)
+      for i in cutlass.range_constexpr(8):
+        acc[i] = Int32(0)  # +0.0
+      for j in cutlass.range_constexpr(v.top_k):
+        o = loaded[cb][j]
+        for i in cutlass.range_constexpr(8):
+          acc[i] = _fadd(acc[i], cutlass.select_(valid[j], _bf16_half(o[i // 2], i % 2), Int32(0)))
+      if cutlass.const_expr(v.shared):
+        so = loaded[cb][v.top_k]
+        for i in cutlass.range_constexpr(8):
+          acc[i] = _fadd(acc[i], _bf16_half(so[i // 2], i % 2))
+      out = [cutlass.select_(fault != 0, Int32(BF16_QNAN), _bf16_rne(acc[i])) for i in range(8)]
+      if h < v.hidden:
+        _st_v4(yb + (Int64(t) * v.hidden + h) * BF16_BYTES,
+               *(out[2 * i] | (out[2 * i + 1] << BF16_SHIFT) for i in range(4)))
 
 for _kernel, _name in zip((RoleKernelsV1.role1_dispatch, RoleKernelsV1.role2_compute, RoleKernelsV1.role3_finalize),
                           ROLE_NAMES):

@@ -117,12 +117,11 @@ ROLE1_FUSED_CTAS_PER_SM = 2
 PULL_SLOTS = 2
 PULL_DEPTH = 12
 DIRECT_SCAN_TOKENS = 2
-# One GPU: up to this many tokens (and 32 assignments) every role-2 CTA lists the routes itself (`_scan_routes`,
-# before it waits for the other CTAs' phase 0) and starts its items after phase 0, instead of waiting for role 1's
-# closed active queue (at B = 1 the queue reached the CTAs' tables 4.4-7.2 us into the layer, phase 0 ended at
-# 0.8-1.8 us: docs/kernels_v2.md "Role 2 lists the routes itself at B <= 4"). Role 1 still runs (the fault scan;
-# its queue and rows go unread).
-ROLE2_SCAN_TOKENS = 4
+# One GPU: up to `abi.SCAN_TOKENS` tokens (and 32 assignments: `abi.scan_tokens`) every role-2 CTA lists the routes
+# itself (`_scan_routes`, before it waits for the other CTAs' phase 0) and starts its items after phase 0, instead of
+# waiting for role 1's closed active queue (at B = 1 the queue reached the CTAs' tables 4.4-7.2 us into the layer,
+# phase 0 ended at 0.8-1.8 us: docs/kernels_v2.md "Role 2 lists the routes itself at B <= 4"); there the runtime's
+# graph holds role 2 alone (`abi.TOKENS_SOLO`, `_solo_finalize`).
 CTL_CLAIM = 8  # the item this CTA claimed from the queue (`RoleKernelsV2._claim`)
 # This call's T, which the shared items read from SMEM: derived again per item instead of kept in registers across
 # the item loop (with the one-token halves, ptxas spilled 60 B at the two-CTA register cap otherwise; 28-32 B so).
@@ -770,7 +769,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     self.table = CTRL_BYTES
     # One GPU at T <= `scan_tokens`: the CTA's own route lists after the table (`_scan_routes`): each expert's first
     # row in them, then the rows (assignments) expert by expert.
-    self.scan_tokens = 0 if v.ranks > 1 else min(ROLE2_SCAN_TOKENS, 32 // v.top_k, v.capacity)
+    self.scan_tokens = abi.scan_tokens(v.top_k, v.capacity, v.ranks)
     assert self.scan_tokens > 0 or v.ranks > 1  # (k <= 32): every one-GPU variant has the scan path
     self.scan_first = self.table + 8 * v.experts
     self.scan_rows = self.scan_first + 4 * v.experts
@@ -1289,11 +1288,48 @@ class RoleKernelsV2(v1.RoleKernelsV1):
                s13_scale: cute.Pointer, s2: cute.Pointer, s2_scale: cute.Pointer, y: cute.Pointer,
                workspace: cute.Pointer, tokens: Int32, clamp: Float32, tmap_w13: Int64, tmap_w2: Int64):
     """Role 2. ``tmap_w13``/``tmap_w2``: the TensorMaps of the W13 and W2 weight tiles (`tensormaps`), passed by
-    value in the parameter space (the build's §5.1 rewrite turns these pointer formals into 128-byte ones)."""
+    value in the parameter space (the build's §5.1 rewrite turns these pointer formals into 128-byte ones).
+
+    ``tokens`` holds `abi.TOKENS_SOLO` where the graph holds this kernel alone (`abi.SCAN_TOKENS`): then its last
+    `solo_ctas` CTAs, launched beyond the resident grid, do the work of roles 1 and 3 (`_solo_finalize`) and the
+    others take the items (`_items`). The combining CTAs branch off here, at the start, with the item path first:
+    code after the item loop (even one branch) cost ptxas 16-28 B more spills at the two-CTA register cap, and the
+    same branch the other way round 24 B (GLM5.2 T8 routed, session 32); so, the spills are those of before."""
+    if cutlass.const_expr(self.scan_tokens > 0):
+      bid, _, _ = cute.arch.block_idx()
+      n, combining, items_grid = self._solo_split(tokens)
+      if bid < items_grid:
+        self._items(x, ids, route_weights, w13, w13_scale, w2, w2_scale, s13, s13_scale, s2, s2_scale, y, workspace,
+                    tokens, clamp, tmap_w13, tmap_w2)
+      else:
+        self._solo_finalize(ids.toint(), y.toint(), workspace.toint(), n, bid - items_grid, items_grid, combining)
+    else:  # (the fused transport: no combining CTAs)
+      self._items(x, ids, route_weights, w13, w13_scale, w2, w2_scale, s13, s13_scale, s2, s2_scale, y, workspace,
+                  tokens, clamp, tmap_w13, tmap_w2)
+
+  @cute.jit
+  def _solo_split(self, tokens: Int32):
+    """(T, the combining CTAs, the item CTAs) from role 2's ``tokens`` parameter (`abi.TOKENS_SOLO`) and the grid
+    (a few instructions on the parameter: `role2_tc` and `_items` each evaluate it)."""
+    grid, _, _ = cute.arch.grid_dim()
+    n = tokens
+    combining = Int32(0)
+    if cutlass.const_expr(self.scan_tokens > 0):
+      n = cutlass.select_(tokens >= abi.TOKENS_SOLO, tokens - abi.TOKENS_SOLO, tokens)
+      combining = cutlass.select_(tokens >= abi.TOKENS_SOLO, self._solo_ctas(n), Int32(0))
+    return n, combining, Int32(grid) - combining
+
+  @cute.jit
+  def _items(self, x: cute.Pointer, ids: cute.Pointer, route_weights: cute.Pointer, w13: cute.Pointer,
+             w13_scale: cute.Pointer, w2: cute.Pointer, w2_scale: cute.Pointer, s13: cute.Pointer,
+             s13_scale: cute.Pointer, s2: cute.Pointer, s2_scale: cute.Pointer, y: cute.Pointer,
+             workspace: cute.Pointer, tokens: Int32, clamp: Float32, tmap_w13: Int64, tmap_w2: Int64):
+    """Role 2's item CTAs (all but the combining ones: `_solo_split`): phase 0, the expert table, then the items
+    of the queue."""
     v, ws = self.v, self.ws
     tid, _, _ = cute.arch.thread_idx()
     bid, _, _ = cute.arch.block_idx()
-    grid, _, _ = cute.arch.grid_dim()
+    tokens, _, grid32 = self._solo_split(tokens)
     ctl = cute.arch.get_dyn_smem(Int32, alignment=STAGE_ALIGN).toint()
     table = ctl + self.table
     pipe = ctl + self.pipe
@@ -1303,7 +1339,6 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     par = cur & 1
     counters = wsb + ws.counters + Int64(par) * (self.words * v1.WORD_BYTES)
     c_bits = v1._bf16_rne(v1._float_bits(clamp)) << v1.BF16_SHIFT
-    grid32 = Int32(grid)
     warp = tid // 32
     lane = tid % 32
     if cutlass.const_expr(self.timeline):
@@ -1510,8 +1545,73 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         self._tl_cta(wsb, cur, bid, Int32(3))
         self._tl_cta_put(wsb, cur, bid, Int32(4), Int64(_lds(ctl + CTL_TL)))
     if cutlass.const_expr(v.ranks == 1):
-      # Role 3 may run beside this kernel (`abi.FINALIZE_EARLY_TOKENS`): it waits for every CTA's count.
+      # Role 3 may run beside this kernel (`abi.FINALIZE_EARLY_TOKENS`), or this kernel's combining CTAs do its work
+      # (`abi.TOKENS_SOLO`): either waits for every item CTA's count.
       self._count_done(counters, abi.role2_done(v.experts, v.capacity, v.shared, v.ranks, v.relay))
+
+  def _solo_ctas(self, tokens: Int32) -> Int32:
+    """The combining CTAs where role 2 runs alone with ``tokens`` tokens: one per token and block of
+    `v1.COMBINE_COLS` columns (at least one, which also advances the epoch)."""
+    n_cb = (self.v.hidden + v1.COMBINE_COLS - 1) // v1.COMBINE_COLS
+    return cutlass.max(cutlass.min(cutlass.max(tokens, 0), self.v.capacity), 1) * n_cb
+
+  @cute.jit
+  def _solo_finalize(self, idb: Int64, yb: Int64, wsb: Int64, tokens: Int32, chunk: Int32, items_grid: Int32,
+                     combining: Int32):
+    """One of the ``combining`` CTAs where the graph holds role 2 alone (`abi.TOKENS_SOLO`), launched beyond the
+    resident grid: it starts when an item CTA leaves. Each counts itself in (it read the epoch), waits (bounded at
+    twice the timeout, through faults: the item CTAs run to their end either way) until the ``items_grid`` item CTAs
+    counted themselves done, and combines y[t] over its block of `v1.COMBINE_COLS` columns (``chunk`` = t n_cb +
+    block; NaN after a fault, read after the wait). Each first does role 1's fault check (an id >= E; the record is
+    written once, and each CTA knows its own finding, so none writes y before another has recorded the fault).
+    Combining CTA 0 also zeroes the next call's counters, and last advances the epoch once every combining CTA is
+    in (a second thread waits for them beside the first) and mirrors a fault to the host."""
+    v = self.v
+    tid, _, _ = cute.arch.thread_idx()
+    bid, _, _ = cute.arch.block_idx()
+    n_cb = (v.hidden + v1.COMBINE_COLS - 1) // v1.COMBINE_COLS
+    n_tok = cutlass.min(cutlass.max(tokens, 0), v.capacity)
+    epoch = v1._ld(wsb + abi.HEADER["epoch"])
+    cur = epoch + 1
+    done = self._counter(wsb, cur, abi.role2_done(v.experts, v.capacity, v.shared, v.ranks, v.relay))
+    if tid == 0:
+      _red_release_add(done + v1.WORD_BYTES, 1)
+    if cutlass.const_expr(self.timeline):
+      if (chunk == 0) & (tid == 0):
+        self._tl_stamp(wsb, cur, Int32(0))  # (role 1's words of the timeline: combining CTA 0's check)
+    bad = Int32(0)
+    for a in range(tid, n_tok * v.top_k, v1.THREADS):
+      eid = v1._ld_nc(idb + Int64(a) * v1.WORD_BYTES)
+      if eid >= v.experts:
+        v1._record_fault(wsb, 1, bid, cur, eid, a)  # (as role 1 would: the first such id wins)
+        bad = Int32(1)
+    bad = _bar_or(bad)
+    if chunk == 0:
+      self._clear_next_counters(wsb, epoch)
+      if cutlass.const_expr(self.timeline):
+        if tid == 0:
+          self._tl_stamp(wsb, cur, Int32(1))
+    if tid == 0:
+      self._wait_geq(done, items_grid, wsb, cur, bid, Int32(abi.WAIT_ROLE2), 3, "gpu", 2, False)
+      if cutlass.const_expr(self.timeline):
+        if chunk == 0:
+          self._tl_stamp(wsb, cur, Int32(2))
+    if (chunk == 0) & (tid == 32):
+      self._wait_geq(done + v1.WORD_BYTES, combining, wsb, cur, bid, Int32(abi.WAIT_ROLE3), 3, "gpu", 2, False)
+    cute.arch.sync_threads()
+    fault = v1._ld(wsb + abi.HEADER["error_flag"]) | bad
+    t = chunk // n_cb
+    if t < n_tok:
+      self._combine(t, chunk - t * n_cb, 1, wsb, idb, yb, fault)
+    if chunk == 0:
+      cute.arch.sync_threads()
+      if tid == 0:
+        if cutlass.const_expr(self.timeline):
+          self._tl_stamp(wsb, cur, Int32(3))
+          self._tl_put(wsb, cur, Int32(4), Int64(cur))
+        v1._st(wsb + abi.HEADER["epoch"], cur)
+        if fault != 0:
+          v1._mirror_fault(wsb)
 
   @cute.jit
   def _tl_cta_put(self, wsb: Int64, cur: Int32, bid: Int32, word: Int32, value: Int64) -> None:
@@ -1561,8 +1661,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     closed queue would give it (count[e] at 4 e, the experts hit from 4 E, here in expert order; their number at
     ``ctl + 4``), and each expert's rows in assignment order (`scan_rows`, expert e's from ``scan_first[e]``), which
     `_chunk` reads instead of role 1's ``rows``. Lane a of every warp holds assignment a (n_assign <= 32); ids < 0
-    (padding) and >= E (role 1 records those as faults) match no expert. Which CTA runs which rows is all the
-    order decides: the bits are the same."""
+    (padding) and >= E match no expert (role 1, or where role 2 runs alone its first combining CTA, records those
+    as faults). Which CTA runs which rows is all the order decides: the bits are the same."""
     v = self.v
     tid, _, _ = cute.arch.thread_idx()
     warp = tid // 32
@@ -2326,11 +2426,11 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       asg = Int32(-1)
       rw = Int32(0)
       if n < count:
+        scanned = Int32(0)  # (the CTA's own route lists, `_scan_routes`, or role 1's)
         if cutlass.const_expr(self.scan_tokens > 0):
-          if _lds(ctl + CTL_SCANNED) != 0:
-            asg = _lds(ctl + self.scan_rows + (_lds(ctl + self.scan_first + e * 4) + n) * 4)
-          else:
-            asg = _ld_gpu(wsb + ws.rows + (Int64(e) * (self.rcap * v.top_k) + n) * v1.WORD_BYTES)
+          scanned = _lds(ctl + CTL_SCANNED)
+        if scanned != 0:
+          asg = _lds(ctl + self.scan_rows + (_lds(ctl + self.scan_first + e * 4) + n) * 4)
         else:
           asg = _ld_gpu(wsb + ws.rows + (Int64(e) * (self.rcap * v.top_k) + n) * v1.WORD_BYTES)
         src = asg
@@ -2470,7 +2570,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     """Address of call ``cur``'s returns counter (`abi.fused_counters`) in the workspace at ``base`` (this
     rank's or a peer's: the layout is the same on every rank)."""
     _, returns = abi.fused_counters(self.v.experts, self.v.capacity, self.v.shared)
-    return base + self.ws.counters + (Int64(cur & 1) * self.words + returns) * v1.WORD_BYTES
+    return self._counter(base, cur, returns)
 
   @cute.jit
   def _copier(self, b: Int32, n_relay: Int32, n_hit: Int32, table: Int32, wsb: Int64, cur: Int32, bid: Int32,
@@ -2553,8 +2653,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     grid, _, _ = cute.arch.grid_dim()
     v = self.v
     grid2 = v1._ld(wsb + abi.HEADER["role2_grid"])
-    at = abi.role2_done(v.experts, v.capacity, v.shared, v.ranks, v.relay)
-    word = wsb + self.ws.counters + (Int64(cur & 1) * self.words + at) * v1.WORD_BYTES
+    word = self._counter(wsb, cur, abi.role2_done(v.experts, v.capacity, v.shared, v.ranks, v.relay))
     if grid2 != 0:
       if tid == 0:
         _red_release_add(word + v1.WORD_BYTES, 1)
