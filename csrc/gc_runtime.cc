@@ -105,7 +105,8 @@ class ScopedContext {
 void RegisterVariant(const std::string& key, std::shared_ptr<VariantSpec> spec) {
   Sha256 sha;
   sha.Add(spec->capacity).Add(spec->dispatch_sms).Add(spec->timeout_ns).Add(spec->ws_total).Add(spec->ws_silu_table);
-  sha.Add(spec->planned_compute_sms).Add(spec->ranks).Add(spec->finalize_early_tokens).Add(spec->solo_tokens).Add(spec->solo_blocks);
+  sha.Add(spec->planned_compute_sms).Add(spec->ranks).Add(spec->finalize_early_tokens);
+  sha.Add(spec->solo_tokens).Add(spec->solo_blocks);
   for (int32_t d : spec->peer_devices) sha.Add(d);
   for (const TensorMapSpec& m : spec->tensormaps) {
     sha.Add(m.param).Add(m.dtype).Add(m.dim0).Add(m.dim1).Add(m.row_stride).Add(m.box0).Add(m.box1).Add(m.swizzle);
@@ -687,7 +688,9 @@ std::string Runtime::Build(int64_t tokens, float clamp) {
              std::to_string(role_sms[r]) + " SMs = " + std::to_string(resident) + " (eq. 6)";
     }
   }
-  launch_[1].grid += combining;  // (not resident with the item CTAs: they wait for none of them)
+  // Beyond the item grid, which fills role 2's partition: each combining CTA starts when an item CTA leaves, and no
+  // item CTA waits for one.
+  launch_[1].grid += combining;
 
   // ---- The pinned mirror of the fault record, then the workspace (InitWorkspace); a rank of a peer group uses the
   // group's workspace, initialised with the group (PeerGroup::Init), and only adds its mirror's address.
@@ -847,12 +850,11 @@ std::string Runtime::ReadFault(CUstream stream) {
            " (a TMA or bulk copy that never completed: a bad weight pointer or TensorMap); the outputs of that call "
            "were set to NaN)";
   } else if (h->error_role == 3) {  // abi.WAIT_ROLE2 / WAIT_ROLE3: role 3 beside role 2 (twice the bound)
+    // (Where role 2 runs alone, its combining CTAs record these: they do role 3's work.)
     msg += (h->error_counter & 0xffff0000u) == 0xc0000u
-               ? " (role 3's block 0 waited for role 3's CTAs to start, " + std::to_string(h->error_observed) +
+               ? " (role 3's first CTA waited for the others to start, " + std::to_string(h->error_observed) +
                      " did"
-               : " (role 3's combine (beside role 2, or in role 2's kernel where it runs alone) waited for role 2's "
-                 "CTAs to finish, " +
-                     std::to_string(h->error_observed) + " did";
+               : " (role 3 waited for role 2's CTAs to finish, " + std::to_string(h->error_observed) + " did";
     msg += ", longer than twice " + bound + "; the outputs of that call were set to NaN)";
   } else {
     msg += " (a spin-wait exceeded its bound of " + bound + "; the outputs of that call were set to NaN)";
@@ -1131,6 +1133,13 @@ GCMOE_EXPORT int gcmoe_register_variant(const char* key, const int64_t* config, 
   const int64_t finalize_early_tokens = num_config > 7 ? config[7] : 0;
   const int64_t solo_tokens = num_config > 8 ? config[8] : 0;
   const int64_t solo_blocks = num_config > 9 ? config[9] : 0;
+  if (solo_tokens < 0 || solo_blocks < 0 || (solo_tokens > 0 && (solo_blocks == 0 || config[0] < solo_tokens))) {
+    return gcmoe::FailWith("gcmoe_register_variant: role 2 alone needs 0 <= solo tokens <= the capacity and, with "
+                               "solo tokens > 0, its combining CTAs per token (ceil(H / 2048)) > 0; got solo tokens " +
+                               std::to_string(solo_tokens) + ", combining CTAs per token " +
+                               std::to_string(solo_blocks) + ", capacity " + std::to_string(config[0]),
+                           error, error_size);
+  }
   const int64_t num_devices = num_config > 10 ? num_config - 10 : 0;
   std::vector<int32_t> peer_devices(config + std::min<int64_t>(num_config, 10), config + num_config);
   // This process's devices (ordinals >= 0) at most once in all; a device of another process is -(1 + its process

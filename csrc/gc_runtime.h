@@ -7,12 +7,13 @@
 // allocates the workspace, takes the device's dispatch/compute green-context pair (ONE split call per device and
 // split, kept for the process: the driver does not return ~8 MB of device memory per destroyed pair), loads the three
 // role cubins with cuLibraryLoadData, checks that every role's grid is resident (eq. 6, occupancy API at the exact
-// block size and dynamic SMEM), and builds a 3-node graph: role 1 (dispatch partition) and role 2 (compute
-// partition) as concurrent roots synchronised through epoch-tagged flags in the workspace, role 3 (finalize, compute
-// partition) after both. Faults reach the host through a pinned, mapped mirror of the header that role 3 writes only
-// when a fault was recorded (no copy node: it cost ~5 us per replay). Each call updates the kernel parameters of the
-// instantiated graph when XLA's buffers changed (no re-instantiation) and launches it into XLA's stream, or, when
-// that stream is capturing (XLA command buffers), splices the graph in as a child node.
+// block size and dynamic SMEM), and builds a 3-node graph: role 1 (dispatch partition) and role 2 (compute partition)
+// as concurrent roots synchronised through epoch-tagged flags in the workspace, role 3 (finalize, compute partition)
+// after both; or, at T <= VariantSpec::solo_tokens on one GPU, role 2 alone (its extra combining CTAs do roles 1 and
+// 3's work). Faults reach the host through a pinned, mapped mirror of the header that role 3 (or role 2's first
+// combining CTA) writes only when a fault was recorded (no copy node: it cost ~5 us per replay). Each call updates the
+// kernel parameters of the instantiated graph when XLA's buffers changed (no re-instantiation) and launches it into
+// XLA's stream, or, when that stream is capturing (XLA command buffers), splices the graph in as a child node.
 
 #ifndef GCMOE_JAX_CSRC_GC_RUNTIME_H_
 #define GCMOE_JAX_CSRC_GC_RUNTIME_H_
@@ -171,7 +172,7 @@ class Runtime {
   CUdeviceptr workspace_ = 0;
   std::shared_ptr<PeerGroup> group_;  // the fused transport's group whose workspace this rank uses (owns it)
   int rank_ = 0;
-  WorkspaceHeader* host_header_ = nullptr;  // pinned, mapped mirror of the fault record, written by role 3
+  WorkspaceHeader* host_header_ = nullptr;  // pinned, mapped mirror of the fault record, written by the kernels
   CUgraph graph_ = nullptr;
   CUgraphExec exec_ = nullptr;
   CUgraphNode node_[kNumRoles] = {nullptr, nullptr, nullptr};  // (role 2's alone where solo_)

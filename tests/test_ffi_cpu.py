@@ -456,6 +456,23 @@ def test_fused_variant_registration_checks_its_peer_groups(ranks, devices, ok):
       call()
 
 
+@pytest.mark.parametrize("solo_tokens, per_token, ok", [(0, 0, True), (4, 3, True), (8, 1, True), (4, 0, False),
+                                                       (9, 1, False), (-1, 1, False), (2, -3, False)])
+def test_role2_alone_registration_checks_its_sizes(solo_tokens, per_token, ok):
+  """config[8:10]: the tokens up to which the graph holds role 2 alone (at most the capacity, 8 here) and its
+  combining CTAs per token (`abi.solo_ctas`: > 0 where role 2 may run alone); anything else is refused, naming it."""
+  from gcmoe_jax.ffi import _cuda
+  config = (8, 6, 10**9, 4096, 256, 0, 1, 8, solo_tokens, per_token)
+  call = lambda: _cuda.register_raw(f"solo-registration-{solo_tokens}-{per_token}", config, (0, 256, 0) * 3,
+                                    [b"\0"] * 3, reference.silu_table())
+  if ok:
+    call()
+  else:
+    with pytest.raises(RuntimeError, match=rf"role 2 alone needs .* got solo tokens {solo_tokens}, combining CTAs "
+                                           rf"per token {per_token}, capacity 8"):
+      call()
+
+
 def _w13_map(**change) -> dict:
   m = dict(name="w13_map", param="w13", dtype="uint8", dims=[64, 8 * 4 * 512], row_stride=64, box=[64, 128],
            swizzle=64)

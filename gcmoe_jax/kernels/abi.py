@@ -13,14 +13,14 @@ and ``rows[e]``, and in the v2 kernels appends an expert with rows to the call's
 role 2 waits for ``ready[e] == cur`` (v1) or for the queue's final size (v2, which then reads the closed queue;
 acquire, bounded by ``header.timeout_ns``); role 3 runs after both (graph edges) and stores ``epoch = cur`` last.
 (Where the graph holds role 2 alone, `TOKENS_SOLO`, its item CTAs list the routes themselves and its combining CTAs
-do role 3's part.) Nothing is reset between calls, and a replay under an XLA command buffer (where the host handler is not called)
-stays correct because the epoch lives on the device.
+do role 3's part.) Nothing is reset between calls, and a replay under an XLA command buffer (where the host handler
+is not called) stays correct because the epoch lives on the device.
 
 **Faults.** A wait that expires writes the error record (role, block, epoch, counter = the awaited expert,
 observed value) once (CAS on ``error.flag``), and the role returns without trapping, so the context stays usable;
-role 3 (or role 2's combining CTAs) then writes NaN into every output row and copies the record into the runtime's pinned host mirror
-(``host_mirror``, mapped memory: no copy node in the graph, nothing written on the common path). The runtime reads
-the mirror without synchronising and reports the record as an FFI error.
+role 3 (or role 2's combining CTAs) then writes NaN into every output row and copies the record into the runtime's
+pinned host mirror (``host_mirror``, mapped memory: no copy node in the graph, nothing written on the common path).
+The runtime reads the mirror without synchronising and reports the record as an FFI error.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from gcmoe_jax import geometry
 
 __all__ = ["HEADER", "PARAMS", "Workspace", "active_queue", "arrivals", "counter_words", "fused_counters",
            "item_order", "pull_cache", "queue_counter", "relay_counters", "role2_done", "scan_tokens",
-           "workspace_layout", "SILU_TABLE_ENTRIES"]
+           "solo_ctas", "workspace_layout", "SILU_TABLE_ENTRIES"]
 
 # Kernel parameter names, in order: 13 pointers, then T (int32) and clamp (float32).
 PARAMS = ("x", "ids", "route_weights", "w13", "w13_scale", "w2", "w2_scale", "s13", "s13_scale", "s2", "s2_scale",
@@ -104,7 +104,7 @@ FINALIZE_EARLY_TOKENS = 8
 # at B <= 4").
 SCAN_TOKENS = 4
 # Role 2's ``tokens`` parameter carries this bit where the graph holds role 2 alone: its last CTAs, one per token and
-# block of `roles_v1.COMBINE_COLS` columns (`solo_ctas`), launched beyond the resident grid, do roles 1 and 3's work.
+# block of `COMBINE_COLS` columns (`solo_ctas`), launched beyond its item grid, do roles 1 and 3's work.
 TOKENS_SOLO = 1 << 30
 COMBINE_COLS = 2048  # columns of y per combining CTA (8 per thread of 256: `roles_v1.RoleKernelsV1._combine`)
 PLANES = 3  # signed 6-bit digit planes of an E4M3 value times 512 (|512 v| <= 229,376 < 2**18)

@@ -1291,7 +1291,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     value in the parameter space (the build's §5.1 rewrite turns these pointer formals into 128-byte ones).
 
     ``tokens`` holds `abi.TOKENS_SOLO` where the graph holds this kernel alone (`abi.SCAN_TOKENS`): then its last
-    `solo_ctas` CTAs, launched beyond the resident grid, do the work of roles 1 and 3 (`_solo_finalize`) and the
+    `solo_ctas` CTAs, launched beyond the item grid, do the work of roles 1 and 3 (`_solo_finalize`) and the
     others take the items (`_items`). The combining CTAs branch off here, at the start, with the item path first:
     code after the item loop (even one branch) cost ptxas 16-28 B more spills at the two-CTA register cap, and the
     same branch the other way round 24 B (GLM5.2 T8 routed, session 32); so, the spills are those of before."""
@@ -1558,14 +1558,14 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   @cute.jit
   def _solo_finalize(self, idb: Int64, yb: Int64, wsb: Int64, tokens: Int32, chunk: Int32, items_grid: Int32,
                      combining: Int32):
-    """One of the ``combining`` CTAs where the graph holds role 2 alone (`abi.TOKENS_SOLO`), launched beyond the
-    resident grid: it starts when an item CTA leaves. Each counts itself in (it read the epoch), waits (bounded at
+    """One of the ``combining`` CTAs where the graph holds role 2 alone (`abi.TOKENS_SOLO`), launched beyond the item
+    grid: it starts when an item CTA leaves. Each counts itself in (all its threads read the epoch), waits (bounded at
     twice the timeout, through faults: the item CTAs run to their end either way) until the ``items_grid`` item CTAs
-    counted themselves done, and combines y[t] over its block of `v1.COMBINE_COLS` columns (``chunk`` = t n_cb +
-    block; NaN after a fault, read after the wait). Each first does role 1's fault check (an id >= E; the record is
-    written once, and each CTA knows its own finding, so none writes y before another has recorded the fault).
-    Combining CTA 0 also zeroes the next call's counters, and last advances the epoch once every combining CTA is
-    in (a second thread waits for them beside the first) and mirrors a fault to the host."""
+    counted themselves done, and combines y[t] over its block of `v1.COMBINE_COLS` columns (``chunk`` = t n_cb + block;
+    NaN after a fault, read after the wait). Each first does role 1's fault check (an id >= E; the record is written
+    once, and each CTA knows its own finding, so none writes y before another has recorded the fault). Combining CTA 0
+    also zeroes the next call's counters, and last advances the epoch once every combining CTA is in (a second thread
+    waits for them beside the first) and mirrors a fault to the host."""
     v = self.v
     tid, _, _ = cute.arch.thread_idx()
     bid, _, _ = cute.arch.block_idx()
@@ -1574,6 +1574,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     epoch = v1._ld(wsb + abi.HEADER["epoch"])
     cur = epoch + 1
     done = self._counter(wsb, cur, abi.role2_done(v.experts, v.capacity, v.shared, v.ranks, v.relay))
+    cute.arch.sync_threads()  # (every thread's epoch read before the count that lets CTA 0 advance it)
     if tid == 0:
       _red_release_add(done + v1.WORD_BYTES, 1)
     if cutlass.const_expr(self.timeline):
@@ -1661,8 +1662,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     closed queue would give it (count[e] at 4 e, the experts hit from 4 E, here in expert order; their number at
     ``ctl + 4``), and each expert's rows in assignment order (`scan_rows`, expert e's from ``scan_first[e]``), which
     `_chunk` reads instead of role 1's ``rows``. Lane a of every warp holds assignment a (n_assign <= 32); ids < 0
-    (padding) and >= E match no expert (role 1, or where role 2 runs alone its first combining CTA, records those
-    as faults). Which CTA runs which rows is all the order decides: the bits are the same."""
+    (padding) and >= E match no expert (role 1, or where role 2 runs alone its combining CTAs, record those as
+    faults). Which CTA runs which rows is all the order decides: the bits are the same."""
     v = self.v
     tid, _, _ = cute.arch.thread_idx()
     warp = tid // 32
