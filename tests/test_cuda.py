@@ -240,12 +240,13 @@ def test_one_rows_weight_stage_off_the_fast_path_matches_the_oracle_bit_for_bit(
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])
-def test_role2_lists_the_routes_itself_up_to_four_tokens(k):
-  """Up to `abi.SCAN_TOKENS` tokens every role-2 CTA lists the routes itself (`_scan_routes`) instead of
-  reading role 1's closed queue: T = 1..5 (at 5 the queue again), every token routed to expert 7 too, the last one
-  twice and token 0 with a padding route, routed and with the shared expert; bit-exact."""
+def test_role2_lists_the_routes_itself_up_to_eight_tokens(k):
+  """Up to `abi.SCAN_TOKENS` = 8 tokens (64 assignments) every role-2 CTA lists the routes itself
+  (`_scan_routes`: assignments 32.. in a lane's second word) instead of reading role 1's closed queue: T = 1..9 (at
+  9 the queue again), every token routed to expert 7 too, the last one twice and token 0 with a padding route,
+  routed and with the shared expert; bit-exact."""
   for shared in (None, 32):
-    for tokens in range(1, 6):
+    for tokens in range(1, 10):
       shape = dataclasses.replace(SMALL, tokens=tokens, top_k=k, shared_intermediate=256 if shared else None,
                                   shared_group=shared or 128)
       x, w, r = quantized(make_problem("default", shape, seed=40 + 5 * k + tokens))
@@ -261,13 +262,13 @@ def test_role2_lists_the_routes_itself_up_to_four_tokens(k):
       assert exact == 1.0
 
 
-def test_up_to_four_tokens_role2_does_not_wait_for_role1s_queue(monkeypatch):
-  """Role 1 withholds an expert hit (the test hook), so its active queue never closes: at T = 3 role 2 lists the
-  routes itself (and runs alone: role 1 is not in the graph) and the call is exact; at T = 5 role 2 waits for the
-  queue and the call raises its timeout."""
+def test_up_to_eight_tokens_role2_does_not_wait_for_role1s_queue(monkeypatch):
+  """Role 1 withholds an expert hit (the test hook), so its active queue never closes: at T = 3 and 7 role 2 lists
+  the routes itself (and runs alone: role 1 is not in the graph) and the call is exact; at T = 9 role 2 waits for
+  the queue and the call raises its timeout."""
   monkeypatch.setenv("GCMOE_SYNC_CHECK", "1")
   monkeypatch.setenv("GCMOE_WAIT_TIMEOUT_MS", "50")
-  for tokens in (3, 5):
+  for tokens in (3, 7, 9):
     shape = dataclasses.replace(SMALL, tokens=tokens)
     x, w, r = quantized(make_problem("default", shape, seed=60 + tokens))
     stalled = int(np.asarray(r.ids)[1, 0])
@@ -275,9 +276,9 @@ def test_up_to_four_tokens_role2_does_not_wait_for_role1s_queue(monkeypatch):
     step = jax.jit(lambda x, w, r, clamp=clamp: gm.moe(x, w, r, clamp=clamp, backend="cuda"))
     ffi.debug_set_stall_expert(stalled)
     try:
-      if tokens == 3:
+      if tokens < 9:
         y = step(x, w, r)
-        assert _compare("T=3, role 1 stalled", y, emulated(x, w, r.ids, r.weights, clamp=clamp)) == 1.0
+        assert _compare(f"T={tokens}, role 1 stalled", y, emulated(x, w, r.ids, r.weights, clamp=clamp)) == 1.0
       else:
         with pytest.raises(Exception, match=rf"role 2, block \d+, epoch \d+, counter {stalled}, .*spin-wait exceeded"):
           step(x, w, r).block_until_ready()
@@ -286,16 +287,17 @@ def test_up_to_four_tokens_role2_does_not_wait_for_role1s_queue(monkeypatch):
 
 
 @pytest.mark.parametrize("shared", [None, 32], ids=["routed", "shared32"])
-def test_up_to_eight_tokens_role3_runs_beside_role2(shared):
-  """One GPU, up to `abi.FINALIZE_EARLY_TOKENS` tokens: the runtime puts role 3 on the dispatch partition after role
-  1, where it waits for role 2's CTAs (``HEADER["role2_grid"]``, `abi.role2_done`) instead of following role 2 in
-  the graph; above, after role 2, waiting for nothing (at most `abi.scan_tokens`, role 2 runs alone: see the next
-  test). Three calls each at T = 5, 8 (beside) and 9 (after): all bit-exact, the epoch advanced by each, and in the
-  last call's counters every role-2 CTA counted itself done and (beside) every role-3 CTA, one per token, counted
-  itself in."""
+def test_up_to_eight_tokens_role3_runs_beside_role2(shared, monkeypatch):
+  """One GPU, up to `abi.FINALIZE_EARLY_TOKENS` tokens, where role 2 does not run alone (here ``GCMOE_SOLO=0``; by
+  default it does up to `abi.scan_tokens`, see the next test): the runtime puts role 3 on the dispatch partition
+  after role 1, where it waits for role 2's CTAs (``HEADER["role2_grid"]``, `abi.role2_done`) instead of following
+  role 2 in the graph; above, after role 2, waiting for nothing. Three calls each at T = 1, 8 (beside) and 9
+  (after): all bit-exact, the epoch advanced by each, and in the last call's counters every role-2 CTA counted
+  itself done and (beside) every role-3 CTA, one per token, counted itself in."""
   from gcmoe_jax.ffi import _cuda
   from gcmoe_jax.kernels import abi, build
-  for tokens in (5, 8, 9):
+  monkeypatch.setenv("GCMOE_SOLO", "0")
+  for tokens in (1, 8, 9):
     shape = dataclasses.replace(SMALL, tokens=tokens, shared_intermediate=256 if shared else None,
                                 shared_group=shared or 128)
     x, w, r = quantized(make_problem("default", shape, seed=70 + tokens))
@@ -327,17 +329,17 @@ def test_up_to_eight_tokens_role3_runs_beside_role2(shared):
 
 
 @pytest.mark.parametrize("shared", [None, 32], ids=["routed", "shared32"])
-def test_up_to_four_tokens_role2_runs_alone(shared, monkeypatch):
+def test_up_to_eight_tokens_role2_runs_alone(shared, monkeypatch):
   """One GPU, up to `abi.scan_tokens` tokens: the graph holds role 2 alone (`abi.TOKENS_SOLO`); its CTAs list the
-  routes and `abi.solo_ctas` more CTAs, beyond its resident grid, check the ids and combine y. At T = 1, 3 and 4
-  (and T = 5, where roles 1 and 3 run): 12 calls each over three rotating inputs (a stale y would show), every one
+  routes and `abi.solo_ctas` more CTAs, beyond its item grid, check the ids and combine y. At T = 1, 5 and 8 (and
+  T = 9, where roles 1 and 3 run): 12 calls each over three rotating inputs (a stale y would show), every one
   bit-exact; the epoch advanced by one per call; in the last call's counters every combining CTA counted itself in
-  and none of role 3's ran beside; an id >= E under ``jit`` raises naming it and the next call is exact again; and
-  with ``GCMOE_SOLO=0`` the graph has all three roles again, exact."""
+  (beside role 2, every role-3 CTA); an id >= E under ``jit`` raises naming it and the next call is exact again;
+  and with ``GCMOE_SOLO=0`` the graph has all three roles again, exact."""
   from gcmoe_jax.ffi import _cuda
   from gcmoe_jax.kernels import abi, build
   monkeypatch.setenv("GCMOE_SYNC_CHECK", "1")
-  for solo_env, tokens_list in (("1", (1, 3, 4, 5)), ("0", (2,))):
+  for solo_env, tokens_list in (("1", (1, 5, 8, 9)), ("0", (2,))):
     monkeypatch.setenv("GCMOE_SOLO", solo_env)
     for tokens in tokens_list:
       shape = dataclasses.replace(SMALL, tokens=tokens, shared_intermediate=256 if shared else None,
@@ -349,8 +351,8 @@ def test_up_to_four_tokens_role2_runs_alone(shared, monkeypatch):
       inputs = [(x, r, np.asarray(emulated(x, w0, r.ids, r.weights, clamp=clamp)).view(np.uint16))
                 for x, _, r in problems]
       step = jax.jit(lambda x, r, clamp=clamp, w0=w0: gm.moe(x, w0, r, clamp=clamp, backend="cuda"))
-      variant = build.Variant(shape.hidden, shape.intermediate, shape.experts, shape.top_k, 8,
-                              256 if shared else None, shared)
+      variant = build.Variant(shape.hidden, shape.intermediate, shape.experts, shape.top_k,
+                              _cuda.capacity_for(tokens), 256 if shared else None, shared)
       ws = variant.workspace("v2")
       epochs = []
       for n in range(12):
@@ -360,7 +362,7 @@ def test_up_to_four_tokens_role2_runs_alone(shared, monkeypatch):
         raw = _cuda.debug_read_workspace(0, ws.total)
         header = np.frombuffer(raw, np.uint32, abi.HEADER_BYTES // 4)
         epochs.append(int(header[abi.HEADER["epoch"] // 4]))
-      alone = solo_env == "1" and tokens <= abi.scan_tokens(shape.top_k, 8)
+      alone = solo_env == "1" and tokens <= abi.scan_tokens(shape.top_k, variant.capacity)
       combining = int(header[abi.HEADER["solo"] // 4])
       args = (variant.experts, variant.capacity, variant.shared)
       words, at = abi.counter_words(*args), abi.role2_done(*args)
@@ -369,8 +371,9 @@ def test_up_to_four_tokens_role2_runs_alone(shared, monkeypatch):
             f"item CTAs done {last[at]}, combining CTAs in {last[at + 1]}")
       assert epochs == list(range(epochs[0], epochs[0] + 12))
       assert combining == (abi.solo_ctas(shape.hidden, tokens) if alone else 0)
-      assert last[at] > 0 and last[at + 1] == (combining if alone else tokens)
-      if alone and tokens == 3:
+      beside = not alone and tokens <= abi.FINALIZE_EARLY_TOKENS
+      assert last[at] > 0 and last[at + 1] == (combining if alone else tokens if beside else 0)
+      if alone and tokens == 5:
         bad = inputs[0][1].ids.at[1, 0].set(shape.experts + 91)
         with pytest.raises(Exception, match=rf"role 1 read expert id {shape.experts + 91}"):
           step(inputs[0][0], gm.Routes(bad, inputs[0][1].weights)).block_until_ready()

@@ -290,7 +290,7 @@ def test_role2_alone_has_its_combining_ctas_branch_off_at_the_start(built, arch)
   assert r2.count("ld.global.cg.v4.u32") == SMALL.top_k and "st.global.v4.u32" in r2
   assert "nanosleep.u32" in r2 and "globaltimer" in r2
   assert abi.solo_ctas(6144, 1) == 3 and abi.solo_ctas(5120, 4) == 12 and abi.solo_ctas(512, 0) == 1
-  assert abi.COMBINE_COLS == 8 * 256 and abi.scan_tokens(8, 8) == 4 and abi.scan_tokens(16, 8) == 2
+  assert abi.COMBINE_COLS == 8 * 256 and abi.scan_tokens(8, 8) == 8 and abi.scan_tokens(16, 16) == 4
   assert abi.scan_tokens(6, 2) == 2 and abi.scan_tokens(8, 8, ranks=2) == 0
 
 

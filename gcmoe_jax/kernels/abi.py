@@ -97,12 +97,12 @@ HEADER_BYTES = 256
 # graph edge role 2 -> role 3 and role 3's launch leave the critical path (docs/kernels_v2.md "Role 3 beside role
 # 2"). One CTA per token must fit the dispatch partition (else role 3 stays after role 2).
 FINALIZE_EARLY_TOKENS = 8
-# One GPU, v2 kernels: up to this many tokens (and 32 assignments: `scan_tokens`) every role-2 CTA lists the routes
+# One GPU, v2 kernels: up to this many tokens (and 64 assignments: `scan_tokens`) every role-2 CTA lists the routes
 # itself (`roles_v2.RoleKernelsV2._scan_routes`) instead of reading role 1's active queue, and the runtime's graph
 # holds role 2 alone (`TOKENS_SOLO`): role 1's remaining work (the fault of an id >= E) and role 3's (y) move into
 # role 2's kernel, so two nodes, their launches and role 3's wait leave the layer (docs/kernels_v2.md "Role 2 alone
-# at B <= 4").
-SCAN_TOKENS = 4
+# at B <= 8"; up to session 31 role 2 listed the routes of at most 4 tokens and 32 assignments, a lane each).
+SCAN_TOKENS = 8
 # Role 2's ``tokens`` parameter carries this bit where the graph holds role 2 alone: its last CTAs, one per token and
 # block of `COMBINE_COLS` columns (`solo_ctas`), launched beyond its item grid, do roles 1 and 3's work.
 TOKENS_SOLO = 1 << 30
@@ -152,8 +152,8 @@ TIMELINE_BYTES = 8 * TL_CALLS * TL_CALL_WORDS
 
 def scan_tokens(top_k: int, capacity: int, ranks: int = 1) -> int:
   """The tokens up to which role 2 (v2) lists the routes itself and the graph may hold role 2 alone: `SCAN_TOKENS`,
-  at most 32 assignments (a lane each) and the token capacity; 0 with the fused transport (R > 1)."""
-  return 0 if ranks > 1 else min(SCAN_TOKENS, 32 // top_k, capacity)
+  at most 64 assignments (two per lane) and the token capacity; 0 with the fused transport (R > 1)."""
+  return 0 if ranks > 1 else min(SCAN_TOKENS, 64 // top_k, capacity)
 
 
 def solo_ctas(hidden: int, tokens: int) -> int:

@@ -117,7 +117,7 @@ ROLE1_FUSED_CTAS_PER_SM = 2
 PULL_SLOTS = 2
 PULL_DEPTH = 12
 DIRECT_SCAN_TOKENS = 2
-# One GPU: up to `abi.SCAN_TOKENS` tokens (and 32 assignments: `abi.scan_tokens`) every role-2 CTA lists the routes
+# One GPU: up to `abi.SCAN_TOKENS` tokens (and 64 assignments: `abi.scan_tokens`) every role-2 CTA lists the routes
 # itself (`_scan_routes`, before it waits for the other CTAs' phase 0) and starts its items after phase 0, instead of
 # waiting for role 1's closed active queue (at B = 1 the queue reached the CTAs' tables 4.4-7.2 us into the layer,
 # phase 0 ended at 0.8-1.8 us: docs/kernels_v2.md "Role 2 lists the routes itself at B <= 4"); there the runtime's
@@ -770,7 +770,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # One GPU at T <= `scan_tokens`: the CTA's own route lists after the table (`_scan_routes`): each expert's first
     # row in them, then the rows (assignments) expert by expert.
     self.scan_tokens = abi.scan_tokens(v.top_k, v.capacity, v.ranks)
-    assert self.scan_tokens > 0 or v.ranks > 1  # (k <= 32): every one-GPU variant has the scan path
+    assert self.scan_tokens > 0 or v.ranks > 1  # (k <= 64): every one-GPU variant has the scan path
     self.scan_first = self.table + 8 * v.experts
     self.scan_rows = self.scan_first + 4 * v.experts
     scan_bytes = 4 * (v.experts + self.scan_tokens * v.top_k) if self.scan_tokens else 0
@@ -1661,9 +1661,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     """The whole CTA, at T <= `scan_tokens` (one GPU): the expert table from the routes themselves, as role 1's
     closed queue would give it (count[e] at 4 e, the experts hit from 4 E, here in expert order; their number at
     ``ctl + 4``), and each expert's rows in assignment order (`scan_rows`, expert e's from ``scan_first[e]``), which
-    `_chunk` reads instead of role 1's ``rows``. Lane a of every warp holds assignment a (n_assign <= 32); ids < 0
-    (padding) and >= E match no expert (role 1, or where role 2 runs alone its combining CTAs, record those as
-    faults). Which CTA runs which rows is all the order decides: the bits are the same."""
+    `_chunk` reads instead of role 1's ``rows``. Lane a of every warp holds assignments a and a + 32 (n_assign <=
+    64: `abi.scan_tokens`); ids < 0 (padding) and >= E match no expert (role 1, or where role 2 runs alone its
+    combining CTAs, record those as faults). Which CTA runs which rows is all the order decides: the bits are the
+    same."""
     v = self.v
     tid, _, _ = cute.arch.thread_idx()
     warp = tid // 32
@@ -1671,13 +1672,20 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     table = ctl + self.table
     first = ctl + self.scan_first
     below = Int32(cute.arch.lanemask_lt())
+    two = self.scan_tokens * v.top_k > 32  # (a second assignment per lane)
     eid = Int32(-1)
+    eid2 = Int32(-1)
     if lane < n_assign:
       eid = v1._ld_nc(idb + Int64(lane) * v1.WORD_BYTES)
+    if cutlass.const_expr(two):
+      if lane + 32 < n_assign:
+        eid2 = v1._ld_nc(idb + Int64(lane + 32) * v1.WORD_BYTES)
     for e in range(warp, v.experts, WARPS):
-      hits = v1._ballot(eid == e)
+      count = v1._popc(v1._ballot(eid == e))
+      if cutlass.const_expr(two):
+        count = count + v1._popc(v1._ballot(eid2 == e))
       if lane == 0:
-        _sts(table + e * 4, v1._popc(hits))
+        _sts(table + e * 4, count)
     cute.arch.sync_threads()
     if warp == 0:
       # Experts in chunks of 32, a lane each: the hit list by ballot, the first rows by an inclusive scan.
@@ -1706,6 +1714,11 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       hits = v1._ballot(eid == e)
       if eid == e:
         _sts(ctl + self.scan_rows + (_lds(first + e * 4) + v1._popc(hits & below)) * 4, lane)
+      if cutlass.const_expr(two):  # assignments 32.. after 0..31: the rows stay in assignment order
+        hits2 = v1._ballot(eid2 == e)
+        if eid2 == e:
+          _sts(ctl + self.scan_rows + (_lds(first + e * 4) + v1._popc(hits) + v1._popc(hits2 & below)) * 4,
+               lane + 32)
 
   @cute.jit
   def _item_bounds(self, n_hit: Int32, n_s1: Int32, n_s2: Int32, ok: Int32):
