@@ -430,6 +430,17 @@ def test_virtual_ranks_reject_bad_arguments_and_need_a_gpu(small_problem):
       ffi.VirtualRanks(w, top_k=4, ranks=2, capacity=16, tokens=[1, 1])
 
 
+def _register_or_refuse(name: str, config: tuple[int, ...], refused: str | None) -> None:
+  """Registers a variant of empty cubins with ``config``; ``refused``: the message (a regex) it must fail with."""
+  from gcmoe_jax.ffi import _cuda
+  call = lambda: _cuda.register_raw(name, config, (0, 256, 0) * 3, [b"\0"] * 3, reference.silu_table())
+  if refused is None:
+    call()
+  else:
+    with pytest.raises(RuntimeError, match=refused):
+      call()
+
+
 @pytest.mark.parametrize("ranks, devices, ok", [
   (2, (0, 1), True), (2, (0, 1, 2, 3), True), (4, (3, 2, 1, 0), True),
   # Devices of other processes, -(1 + process): one of this process's per group (CUDA IPC connects the others).
@@ -444,16 +455,9 @@ def test_fused_variant_registration_checks_its_peer_groups(ranks, devices, ok):
   ordinals, another process's device as -(1 + process index)); the library refuses a ragged group, a device twice,
   a group mixing two of this process's devices with another process's, ordinals without R > 1 and R past
   abi.MAX_RANKS, naming what it got."""
-  from gcmoe_jax.ffi import _cuda
-  config = (8, 6, 10**9, 4096, 256, 0, ranks, 0, 0, 0, *devices)
-  call = lambda: _cuda.register_raw(f"fused-registration-{ranks}-{devices}", config, (0, 256, 0) * 3,
-                                    [b"\0"] * 3, reference.silu_table())
-  if ok:
-    call()
-  else:
-    with pytest.raises(RuntimeError, match=rf"the fused transport needs R in \[2, {abi.MAX_RANKS}\] and its peer "
-                                           rf"groups' devices .* got R = {ranks} and {len(devices)} devices"):
-      call()
+  _register_or_refuse(f"fused-registration-{ranks}-{devices}", (8, 6, 10**9, 4096, 256, 0, ranks, 0, 0, 0, *devices),
+                      None if ok else rf"the fused transport needs R in \[2, {abi.MAX_RANKS}\] and its peer groups' "
+                                      rf"devices .* got R = {ranks} and {len(devices)} devices")
 
 
 @pytest.mark.parametrize("solo_tokens, per_token, ok", [(0, 0, True), (4, 3, True), (8, 1, True), (4, 0, False),
@@ -461,16 +465,10 @@ def test_fused_variant_registration_checks_its_peer_groups(ranks, devices, ok):
 def test_role2_alone_registration_checks_its_sizes(solo_tokens, per_token, ok):
   """config[8:10]: the tokens up to which the graph holds role 2 alone (at most the capacity, 8 here) and its
   combining CTAs per token (`abi.solo_ctas`: > 0 where role 2 may run alone); anything else is refused, naming it."""
-  from gcmoe_jax.ffi import _cuda
-  config = (8, 6, 10**9, 4096, 256, 0, 1, 8, solo_tokens, per_token)
-  call = lambda: _cuda.register_raw(f"solo-registration-{solo_tokens}-{per_token}", config, (0, 256, 0) * 3,
-                                    [b"\0"] * 3, reference.silu_table())
-  if ok:
-    call()
-  else:
-    with pytest.raises(RuntimeError, match=rf"role 2 alone needs .* got solo tokens {solo_tokens}, combining CTAs "
-                                           rf"per token {per_token}, capacity 8"):
-      call()
+  _register_or_refuse(f"solo-registration-{solo_tokens}-{per_token}",
+                      (8, 6, 10**9, 4096, 256, 0, 1, 8, solo_tokens, per_token),
+                      None if ok else rf"role 2 alone needs .* got solo tokens {solo_tokens}, combining CTAs per "
+                                      rf"token {per_token}, capacity 8")
 
 
 def _w13_map(**change) -> dict:
