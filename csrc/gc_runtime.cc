@@ -640,8 +640,8 @@ std::string Runtime::Build(int64_t tokens, float clamp) {
   // 2's CTAs (header.role2_grid), so the edge role 2 -> role 3 and role 3's launch leave the critical path. Only on
   // SMs role 2 cannot use: a waiting role-3 CTA on role 2's partition could keep a role-2 CTA from being resident.
   // Up to the variant's `solo_tokens` (one GPU, v2 kernels) the graph holds role 2 alone: its CTAs list the routes
-  // themselves, and `combining` more CTAs beyond its resident grid (they start as item CTAs leave) record an id >= E
-  // as role 1 would and do role 3's work, so roles 1 and 3 leave the graph (two nodes, their launches and role 3's
+  // themselves, and `combining` more CTAs beyond its item grid (they start as item CTAs leave) record an id >= E as
+  // role 1 would and do role 3's work, so roles 1 and 3 leave the graph (two nodes, their launches and role 3's
   // wait).
   solo_ = group_ == nullptr && s.ranks == 1 && tokens <= s.solo_tokens && s.solo_blocks > 0;
   const unsigned combining = solo_ ? static_cast<unsigned>(std::max<int64_t>(1, tokens) * s.solo_blocks) : 0u;
