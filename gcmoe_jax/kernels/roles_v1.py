@@ -860,7 +860,7 @@ class RoleKernelsV1:
                      workspace: cute.Pointer, tokens: Int32, clamp: Float32):
     """y[t] = bf16(sum_j o_j + shared) for tokens t = block, block + grid, ...; NaN after a fault; epoch += 1 (and,
     in a fused variant's first call, the steady spin bound into ``header.timeout_ns``)."""
-    v, ws = self.v, self.ws
+    v = self.v
     tid, _, _ = cute.arch.thread_idx()
     bid, _, _ = cute.arch.block_idx()
     grid, _, _ = cute.arch.grid_dim()
