@@ -49,6 +49,12 @@ GCMOE_EXPORT const char* gcmoe_ffi_build_info() {
                          "\"state_type\": [\"gcmoe_moe_cuda_state_v1\", \"GcmoeMoeCudaStateTypeId\", "
                          "\"GcmoeMoeCudaStateTypeInfo\"]}"
                        : "") +
+      // GCMOE_SYNC_CHECK=1 lowers to this one: on CUDA the handler is not command-buffer compatible, so XLA calls
+      // it at every execution (ffi_cuda.cc). The state type is the one registered above.
+      "}, \"gcmoe_moe_sync_v1\": {\"cpu\": {\"execute\": \"GcmoeMoeCpu\"}" +  //
+      (GCMOE_WITH_CUDA ? ", \"CUDA\": {\"instantiate\": \"GcmoeMoeCudaInstantiate\", "
+                         "\"execute\": \"GcmoeMoeCudaExecuteSync\"}"
+                       : "") +
       "}}}";
   return info.c_str();
 }

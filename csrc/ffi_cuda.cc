@@ -106,16 +106,29 @@ ffi::Error MoeCudaExecute(CUstream stream, int32_t device_ordinal, MoeCudaState*
 
 GCMOE_EXPORT XLA_FFI_Error* GcmoeMoeCudaInstantiate(XLA_FFI_CallFrame* call_frame);
 GCMOE_EXPORT XLA_FFI_Error* GcmoeMoeCudaExecute(XLA_FFI_CallFrame* call_frame);
+GCMOE_EXPORT XLA_FFI_Error* GcmoeMoeCudaExecuteSync(XLA_FFI_CallFrame* call_frame);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GcmoeMoeCudaInstantiate, gcmoe::MoeCudaInstantiate,
                               gcmoe::BindMoeAttrs(xla::ffi::Ffi::BindInstantiate()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GcmoeMoeCudaExecute, gcmoe::MoeCudaExecute,
-                              gcmoe::BindMoeBuffers(xla::ffi::Ffi::Bind()
-                                                        .Ctx<xla::ffi::PlatformStream<CUstream>>()  // XLA's stream
-                                                        .Ctx<xla::ffi::DeviceOrdinal>()  // int32 device ordinal
-                                                        .Ctx<xla::ffi::State<gcmoe::MoeCudaState>>()),  // instantiate
+namespace gcmoe {
+namespace {
+auto BindMoeCudaExecute() {
+  return BindMoeBuffers(xla::ffi::Ffi::Bind()
+                            .Ctx<xla::ffi::PlatformStream<CUstream>>()  // XLA's stream
+                            .Ctx<xla::ffi::DeviceOrdinal>()             // int32 device ordinal
+                            .Ctx<xla::ffi::State<MoeCudaState>>());     // from the instantiate stage
+}
+}  // namespace
+}  // namespace gcmoe
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GcmoeMoeCudaExecute, gcmoe::MoeCudaExecute, gcmoe::BindMoeCudaExecute(),
                               {xla::ffi::Traits::kCmdBufferCompatible});
+
+// The same handler without kCmdBufferCompatible, for GCMOE_SYNC_CHECK=1 (target gcmoe_moe_sync_v1): XLA keeps such
+// a call out of its command buffers and runs the handler at every execution, so a device fault is raised by the call
+// that hit it. Inside a command buffer a replay runs without the handler, which alone can read the fault record.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GcmoeMoeCudaExecuteSync, gcmoe::MoeCudaExecute, gcmoe::BindMoeCudaExecute());
 
 // The state type of the instantiate stage, for jax.ffi.register_ffi_type(..., platform="CUDA").
 GCMOE_EXPORT XLA_FFI_TypeId* GcmoeMoeCudaStateTypeId() { return &gcmoe::MoeCudaState::id; }

@@ -347,6 +347,33 @@ def test_forward_under_grad_of_something_else_runs():
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def test_sync_check_lowers_to_the_target_xla_keeps_out_of_command_buffers():
+  """GCMOE_SYNC_CHECK=1 calls `_library.TARGET_SYNC`: the same op (its CPU handler is the same symbol; on CUDA its
+  execute handler lacks the command-buffer trait, so XLA calls it at every execution and a fault is raised by its
+  own call). Declared for every platform of the plain target, registered, and bit-identical on CPU."""
+  from gcmoe_jax.ffi import _moe
+  targets = ffi.library_info().build["targets"]
+  assert set(targets[_library.TARGET_SYNC]) == set(targets[_library.TARGET])
+  assert targets[_library.TARGET_SYNC]["cpu"] == targets[_library.TARGET]["cpu"]
+  if "CUDA" in targets[_library.TARGET]:
+    plain, sync = targets[_library.TARGET]["CUDA"], targets[_library.TARGET_SYNC]["CUDA"]
+    assert sync["instantiate"] == plain["instantiate"] and sync["execute"] != plain["execute"]
+  assert _library.TARGET_SYNC in ffi.library_info().registered["cpu"].reason
+  w = _quantized(32)
+  x, ids, wts = _x(T), _distinct_ids(T, K), _weights(T, K)
+  ys = {}
+  for sync in (False, True):
+    attrs = _moe.MoeAttrs.from_weights(w, K, CLAMP, sync_check=sync)
+    f = jax.jit(lambda x, ids, wts, attrs=attrs: _moe._moe_on(x, w, ids, wts, attrs))
+    text = f.lower(x, ids, wts).as_text()
+    want, other = (_library.TARGET_SYNC, _library.TARGET) if sync else (_library.TARGET, _library.TARGET_SYNC)
+    assert f"@{want}(" in text and f"@{other}(" not in text, text[:2000]
+    assert f"flags = {int(attrs.flags)}" in text and bool(attrs.flags & ffi.Flag.SYNC_CHECK) == sync
+    ys[sync] = np.asarray(f(x, ids, wts)).view(np.uint16)
+  assert np.isfinite(np.asarray(ys[False].view(jnp.bfloat16), np.float32)).all() and ys[False].any()
+  np.testing.assert_array_equal(ys[True], ys[False])
+
+
 def test_flags_mirror_the_cpp_enum():
   assert ffi.library_info().build["flags"] == {"has_shared": int(ffi.Flag.HAS_SHARED),
                                                "has_clamp": int(ffi.Flag.HAS_CLAMP)}

@@ -34,6 +34,9 @@ from gcmoe_jax._support import Support
 LIBRARY_NAME = "libgcmoe_jax_ffi.so"
 ENV_LIBRARY = "GCMOE_FFI_LIBRARY"
 TARGET = "gcmoe_moe_v1"
+# The same op for GCMOE_SYNC_CHECK=1: on CUDA its handler is not command-buffer compatible, so XLA calls it at every
+# execution and a device fault is raised by the call that hit it (docs/cuda_runtime.md "Faults").
+TARGET_SYNC = "gcmoe_moe_sync_v1"
 
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
 log = logging.getLogger("gcmoe_jax")
@@ -168,10 +171,16 @@ def _register(lib: ctypes.CDLL, build: dict[str, Any]) -> dict[str, Support]:
                     for stage, symbol in stages.items() if stage in ("instantiate", "prepare", "initialize", "execute")}
         fn = handlers["execute"] if list(handlers) == ["execute"] else handlers
         jax.ffi.register_ffi_target(target, fn, platform=platform, api_version=1)
-        out[platform] = Support(True, f"{target} -> " + ", ".join(f"{k}: {v}" for k, v in stages.items()
-                                                                  if k != "state_type"))
+        outcome = Support(True, f"{target} -> " + ", ".join(f"{k}: {v}" for k, v in stages.items()
+                                                            if k != "state_type"))
       except Exception as e:  # noqa: BLE001 - any failure here is reported, not raised, and the platform is off
-        out[platform] = Support(False, f"registering {target} for {platform} failed: {type(e).__name__}: {e}")
+        outcome = Support(False, f"registering {target} for {platform} failed: {type(e).__name__}: {e}")
+      # A platform is on when every target it declares registered (the first failure is the reason otherwise).
+      before = out.get(platform)
+      if before is None or (before.ok and not outcome.ok):
+        out[platform] = outcome
+      elif before.ok:
+        out[platform] = Support(True, f"{before.reason}; {outcome.reason}")
   return out
 
 

@@ -89,7 +89,9 @@ class MoeAttrs:
 
 
 def _ffi_call(attrs: MoeAttrs, x, *operands):
-  call = jax.ffi.ffi_call(_library.TARGET, _compat.ffi_result_like(x), vmap_method="sequential")
+  # GCMOE_SYNC_CHECK: a target whose CUDA handler XLA keeps out of command buffers (`_library.TARGET_SYNC`).
+  target = _library.TARGET_SYNC if attrs.sync_check else _library.TARGET
+  call = jax.ffi.ffi_call(target, _compat.ffi_result_like(x), vmap_method="sequential")
   return call(x, *operands, **attrs.ffi_attributes())
 
 
