@@ -751,6 +751,16 @@ def test_every_preset_names_valid_distinct_variants():
     for r in (2, 4, 8):
       for cap in (8, 16, 32, 64, 128, 256):
         assert paper[(m.H, m.E // r, r, cap)] == geometry.relay_staging(r, cap, cap, m.k, m.E // r, m.H, False)[0]
+  # `paper` builds what the bench runs (its per-rank shapes at R = 8, the shared expert with the model's K-group).
+  from gcmoe_jax.bench import sweep
+  built = set(build_kernels.PRESETS["paper"]())
+  for model in geometry.MODELS:
+    for shared in (False, True):
+      s = sweep.model_shape(model, shared=shared)
+      for cap in (8, 16, 32, 64, 128, 256):
+        want = (s.hidden, s.intermediate, s.experts, s.top_k, cap)
+        want += (s.shared_intermediate, s.shared_group) if shared else ()
+        assert want in built, (model, want)
 
 
 @needs_dsl

@@ -53,10 +53,11 @@ def _preset_tests() -> list[tuple[int, ...]]:
 
 
 def _preset_paper() -> list[tuple[int, ...]]:
-  """The paper's 18 decode points of both models, routed and with the shared expert: the token capacities 8, 16,
-  32, 64, 128 and 256 hold B = 1..256."""
-  return [v for h, i, e, k in _PAPER.values() for cap in _PAPER_CAPACITIES
-          for v in ((h, i, e, k, cap), (h, i, e, k, cap, i, _SHARED_GROUP))]
+  """The paper's 18 decode points of both models, routed and with the shared expert, as `python -m gcmoe_jax bench
+  --model M [--shared]` runs them: the token capacities 8, 16, 32, 64, 128 and 256 hold B = 1..256, and the shared
+  expert has the model's own K-group (`geometry.MODELS`: DSV4.1-Flash's is 32)."""
+  return [v for name, (h, i, e, k) in _PAPER.items() for cap in _PAPER_CAPACITIES
+          for v in ((h, i, e, k, cap), (h, i, e, k, cap, i, geometry.MODELS[name].shared_group))]
 
 
 def _preset_multigpu() -> list[tuple[int, ...]]:
