@@ -1,9 +1,10 @@
-// XLA FFI binding of the CUDA operator: target "gcmoe_moe_v1" on platform "CUDA".
+// XLA FFI binding of the CUDA operator: targets "gcmoe_moe_v1" and, for GCMOE_SYNC_CHECK=1, "gcmoe_moe_sync_v1" on
+// platform "CUDA".
 //
 // Two stages: instantiate (symbol GcmoeMoeCudaInstantiate: once per call site and executable, attributes only) creates
-// the MoeCudaState that will own the workspace, green contexts and graphs; execute (symbol GcmoeMoeCudaExecute) runs
-// on XLA's stream. The state type is registered from Python (GcmoeMoeCudaStateTypeId / GcmoeMoeCudaStateTypeInfo)
-// before the target.
+// the MoeCudaState that will own the workspace, green contexts and graphs; execute (symbol GcmoeMoeCudaExecute,
+// command-buffer compatible, or GcmoeMoeCudaExecuteSync, the same handler without that trait) runs on XLA's stream.
+// The state type is registered from Python (GcmoeMoeCudaStateTypeId / GcmoeMoeCudaStateTypeInfo) before the targets.
 //
 // Compiled by nvcc (CMakeLists.txt) so that device code can join this file; it has none yet.
 

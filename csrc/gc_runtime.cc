@@ -813,8 +813,9 @@ std::string Runtime::SetParams(const PointerParams& ptrs, bool exec) {
   return "";
 }
 
-// A fault recorded by an earlier replay (role 3 writes the pinned, mapped mirror, so reading it needs no
-// synchronisation; it may lag by the calls still in flight). Clears the fault on host and device.
+// A fault recorded by an earlier replay (role 3, or role 2's first combining CTA where role 2 runs alone, writes the
+// pinned, mapped mirror, so reading it needs no synchronisation; it may lag by the calls still in flight). Clears the
+// fault on host and device.
 std::string Runtime::ReadFault(CUstream stream) {
   volatile WorkspaceHeader* h = host_header_;
   if (h->error_flag == 0) return "";
@@ -850,11 +851,13 @@ std::string Runtime::ReadFault(CUstream stream) {
            " (a TMA or bulk copy that never completed: a bad weight pointer or TensorMap); the outputs of that call "
            "were set to NaN)";
   } else if (h->error_role == 3) {  // abi.WAIT_ROLE2 / WAIT_ROLE3: role 3 beside role 2 (twice the bound)
-    // (Where role 2 runs alone, its combining CTAs record these: they do role 3's work.)
+    // Where role 2 runs alone its combining CTAs do role 3's work and record these (error_role 3).
+    const std::string who = solo_ ? "role 2's combining CTAs (role 2 runs alone)" : "role 3";
     msg += (h->error_counter & 0xffff0000u) == 0xc0000u
-               ? " (role 3's first CTA waited for the others to start, " + std::to_string(h->error_observed) +
+               ? " (" + who + ": the first waited for the others to start, " + std::to_string(h->error_observed) +
                      " did"
-               : " (role 3 waited for role 2's CTAs to finish, " + std::to_string(h->error_observed) + " did";
+               : " (" + who + " waited for role 2's item CTAs to finish, " + std::to_string(h->error_observed) +
+                     " did";
     msg += ", longer than twice " + bound + "; the outputs of that call were set to NaN)";
   } else {
     msg += " (a spin-wait exceeded its bound of " + bound + "; the outputs of that call were set to NaN)";
@@ -1133,11 +1136,16 @@ GCMOE_EXPORT int gcmoe_register_variant(const char* key, const int64_t* config, 
   const int64_t finalize_early_tokens = num_config > 7 ? config[7] : 0;
   const int64_t solo_tokens = num_config > 8 ? config[8] : 0;
   const int64_t solo_blocks = num_config > 9 ? config[9] : 0;
-  if (solo_tokens < 0 || solo_blocks < 0 || (solo_tokens > 0 && (solo_blocks == 0 || config[0] < solo_tokens))) {
-    return gcmoe::FailWith("gcmoe_register_variant: role 2 alone needs 0 <= solo tokens <= the capacity and, with "
-                               "solo tokens > 0, its combining CTAs per token (ceil(H / 2048)) > 0; got solo tokens " +
+  // Both 0 (never alone) or both > 0, and one GPU: a config of the layout before these two words (peer devices from
+  // index 8) cannot pass as one of this layout.
+  if (solo_tokens < 0 || solo_blocks < 0 || (solo_tokens == 0) != (solo_blocks == 0) || config[0] < solo_tokens ||
+      (solo_tokens > 0 && ranks != 1)) {
+    return gcmoe::FailWith("gcmoe_register_variant: role 2 alone needs 0 <= solo tokens <= the capacity, its "
+                               "combining CTAs per token (ceil(H / 2048)) > 0 exactly where solo tokens > 0, and one "
+                               "GPU (R = 1) there; got solo tokens " +
                                std::to_string(solo_tokens) + ", combining CTAs per token " +
-                               std::to_string(solo_blocks) + ", capacity " + std::to_string(config[0]),
+                               std::to_string(solo_blocks) + ", capacity " + std::to_string(config[0]) + ", R = " +
+                               std::to_string(ranks),
                            error, error_size);
   }
   const int64_t num_devices = num_config > 10 ? num_config - 10 : 0;

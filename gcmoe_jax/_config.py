@@ -98,9 +98,9 @@ VARS = {v.name: v for v in (
   Var("GCMOE_FIRST_WAIT_TIMEOUT_MS", _wait_ms, 120_000, "bound of the spin-waits of the first call of the fused "
                                                    "transport across processes (a peer process may still be "
                                                    "compiling); never below GCMOE_WAIT_TIMEOUT_MS"),
-  Var("GCMOE_SOLO", _bool, True, "one GPU, up to 8 tokens (kernels.abi.scan_tokens): the graph holds role 2 alone, "
-                                 "which then also checks the ids and combines y (docs/kernels_v2.md \"Role 2 alone "
-                                 "at B <= 8\"); 0: roles 1 and 3 run too (A/B timing, debugging)"),
+  Var("GCMOE_SOLO", _bool, True, "one GPU, up to kernels.abi.scan_tokens tokens (8 where k <= 8): the graph holds "
+                                 "role 2 alone, which then also checks the ids and combines y (docs/kernels_v2.md "
+                                 "\"Role 2 alone at B <= 8\"); 0: roles 1 and 3 run too (A/B timing, debugging)"),
   Var("GCMOE_SYNC_CHECK", _bool, False, "synchronise after each CUDA call and raise a device fault at once, also "
                                         "under XLA command buffers, which then leave the call out (tests, "
                                         "debugging); otherwise it is raised by the next call that runs the handler"),

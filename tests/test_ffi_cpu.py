@@ -220,8 +220,9 @@ def test_sha256_of_the_graph_cache_is_hashlibs(n):
 
 def test_workspace_header_of_the_runtime_is_abis():
   fn = _hook("gcmoe_workspace_header_offsets")
-  out = (ctypes.c_int64 * 16)()
-  count = fn(out, 16)
+  room = len(abi.HEADER) + 8  # (room to spare: a field the runtime has and abi lacks shows in the count)
+  out = (ctypes.c_int64 * room)()
+  count = fn(out, room)
   assert count == len(abi.HEADER)
   assert dict(zip(abi.HEADER, out[:count])) == abi.HEADER
 
@@ -374,6 +375,20 @@ def test_sync_check_lowers_to_the_target_xla_keeps_out_of_command_buffers():
   np.testing.assert_array_equal(ys[True], ys[False])
 
 
+def test_a_library_without_the_sync_target_is_named_stale(monkeypatch):
+  """A library built before `_library.TARGET_SYNC` existed: GCMOE_SYNC_CHECK's calls say so (XLA would only say that
+  the target has no implementation); plain calls still run."""
+  from gcmoe_jax.ffi import _moe
+  info = ffi.library_info()
+  old = {t: p for t, p in info.build["targets"].items() if t != _library.TARGET_SYNC}
+  monkeypatch.setattr(_library, "library_info", lambda: dataclasses.replace(info, build={**info.build, "targets": old}))
+  w = _quantized(None)
+  x, ids, wts = _x(T), _distinct_ids(T, K), _weights(T, K)
+  with pytest.raises(RuntimeError, match=rf"does not declare the target {_library.TARGET_SYNC} .* rebuild it"):
+    _moe._moe_on(x, w, ids, wts, _moe.MoeAttrs.from_weights(w, K, CLAMP, sync_check=True))
+  assert _moe._moe_on(x, w, ids, wts, _moe.MoeAttrs.from_weights(w, K, CLAMP)).shape == x.shape
+
+
 def test_flags_mirror_the_cpp_enum():
   assert ffi.library_info().build["flags"] == {"has_shared": int(ffi.Flag.HAS_SHARED),
                                                "has_clamp": int(ffi.Flag.HAS_CLAMP)}
@@ -487,15 +502,21 @@ def test_fused_variant_registration_checks_its_peer_groups(ranks, devices, ok):
                                       rf"devices .* got R = {ranks} and {len(devices)} devices")
 
 
-@pytest.mark.parametrize("solo_tokens, per_token, ok", [(0, 0, True), (4, 3, True), (8, 1, True), (4, 0, False),
-                                                       (9, 1, False), (-1, 1, False), (2, -3, False)])
-def test_role2_alone_registration_checks_its_sizes(solo_tokens, per_token, ok):
+@pytest.mark.parametrize("solo_tokens, per_token, ranks, ok", [
+  (0, 0, 1, True), (4, 3, 1, True), (8, 1, 1, True), (4, 0, 1, False), (9, 1, 1, False), (-1, 1, 1, False),
+  (2, -3, 1, False),
+  (0, 1, 1, False),  # combining CTAs without role 2 alone: the layout before config[8:10] (peer devices from 8)
+  (4, 3, 2, False),  # role 2 alone is one GPU's
+])
+def test_role2_alone_registration_checks_its_sizes(solo_tokens, per_token, ranks, ok):
   """config[8:10]: the tokens up to which the graph holds role 2 alone (at most the capacity, 8 here) and its
-  combining CTAs per token (`abi.solo_ctas`: > 0 where role 2 may run alone); anything else is refused, naming it."""
-  _register_or_refuse(f"solo-registration-{solo_tokens}-{per_token}",
-                      (8, 6, 10**9, 4096, 256, 0, 1, 8, solo_tokens, per_token),
+  combining CTAs per token (`abi.solo_ctas`), both 0 or both > 0, and only on one GPU; anything else is refused,
+  naming it."""
+  devices = (0, 1) if ranks > 1 else ()
+  _register_or_refuse(f"solo-registration-{solo_tokens}-{per_token}-{ranks}",
+                      (8, 6, 10**9, 4096, 256, 0, ranks, 8, solo_tokens, per_token, *devices),
                       None if ok else rf"role 2 alone needs .* got solo tokens {solo_tokens}, combining CTAs per "
-                                      rf"token {per_token}, capacity 8")
+                                      rf"token {per_token}, capacity 8, R = {ranks}")
 
 
 def _w13_map(**change) -> dict:

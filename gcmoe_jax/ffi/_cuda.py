@@ -164,7 +164,7 @@ def _register(arch: str, variant: build.Variant, dispatch_sms: int, compute_sms:
   solo_tokens = abi.scan_tokens(variant.top_k, variant.capacity) if one_gpu_v2 and solo else 0
   key += f":s{solo_tokens}"
   config = (variant.capacity, dispatch_sms, timeout_ns, workspace_bytes(ws), ws.silu_table, compute_sms,
-            variant.ranks, early, solo_tokens, abi.solo_ctas(variant.hidden, 1))
+            variant.ranks, early, solo_tokens, abi.solo_ctas(variant.hidden, 1) if solo_tokens else 0)
   launch = tuple(v for r in (1, 2, 3) for v in built.launch(r, compute_sms))
   if variant.ranks > 1:
     # The fused transport: the CUDA ordinals of every peer group, group-major; role 1's pulls spread over the

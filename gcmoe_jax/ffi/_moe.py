@@ -106,10 +106,15 @@ def _moe_jvp(attrs, primals, tangents):
   raise TypeError(FORWARD_ONLY)
 
 
-def _require_library() -> None:
+def _require_library(target: str = _library.TARGET) -> None:
   info = _library.library_info()
   if info.error is not None:
     raise RuntimeError(f"gcmoe_jax FFI: {info.error}")
+  if target not in info.build.get("targets", {}):
+    # A library built from older sources (XLA would only say the target has no implementation).
+    raise RuntimeError(f"gcmoe_jax FFI: {info.path} does not declare the target {target} (GCMOE_SYNC_CHECK=1 lowers "
+                       "to it); it was built from older sources: rebuild it (pip install . or cmake --build "
+                       "build/dev)")
 
 
 def moe_ffi(x: jax.Array, w13: jax.Array, w13_scale: jax.Array, w2: jax.Array, w2_scale: jax.Array, ids: jax.Array,
@@ -131,10 +136,10 @@ def moe_ffi(x: jax.Array, w13: jax.Array, w13_scale: jax.Array, w2: jax.Array, w
     bfloat16 ``[T, H]``.
 
   Raises:
-    RuntimeError: when the library is not loaded. Errors of the handler (a bad shape, an id >= E) surface when the
-      call runs, as the runtime error of jax, with the handler's message.
+    RuntimeError: when the library is not loaded, or lacks the target ``attrs`` lower to. Errors of the handler (a
+      bad shape, an id >= E) surface when the call runs, as the runtime error of jax, with the handler's message.
   """
-  _require_library()
+  _require_library(_library.TARGET_SYNC if attrs.sync_check else _library.TARGET)
   return _moe_forward_only(attrs, x, w13, w13_scale, w2, w2_scale, ids, weights, s13, s13_scale, s2, s2_scale)
 
 
