@@ -1,4 +1,5 @@
-"""The XLA FFI custom call ``gcmoe_moe_v1`` (``gcmoe_moe_sync_v1`` with GCMOE_SYNC_CHECK=1): library loading, registration, the primitive path and its rules.
+"""The XLA FFI custom call ``gcmoe_moe_v1`` (``gcmoe_moe_sync_v1`` with GCMOE_SYNC_CHECK=1): library loading,
+registration, the primitive path and its rules.
 
 ``libgcmoe_jax_ffi.so`` (built from ``csrc/`` by ``pip install .``) holds the CPU handler and, when built with a CUDA
 toolkit, the CUDA handler. It is loaded and its targets registered lazily, once, on first use (`_library`); calls go

@@ -112,9 +112,9 @@ def _require_library(target: str = _library.TARGET) -> None:
     raise RuntimeError(f"gcmoe_jax FFI: {info.error}")
   if target not in info.build.get("targets", {}):
     # A library built from older sources (XLA would only say the target has no implementation).
-    raise RuntimeError(f"gcmoe_jax FFI: {info.path} does not declare the target {target} (GCMOE_SYNC_CHECK=1 lowers "
-                       "to it); it was built from older sources: rebuild it (pip install . or cmake --build "
-                       "build/dev)")
+    why = " (GCMOE_SYNC_CHECK=1 lowers to it)" if target == _library.TARGET_SYNC else ""
+    raise RuntimeError(f"gcmoe_jax FFI: {info.path} does not declare the target {target}{why}; it was built from "
+                       "older sources: rebuild it (pip install . or cmake --build build/dev)")
 
 
 def moe_ffi(x: jax.Array, w13: jax.Array, w13_scale: jax.Array, w2: jax.Array, w2_scale: jax.Array, ids: jax.Array,
