@@ -26,7 +26,8 @@ from gcmoe_jax import geometry
 # 128 and 32), and the paper's per-rank shapes GLM5.2 (H 6144, I 2048, E 32, k 8) and DSV4.1-Flash (H 5120,
 # I 2304, E 48, k 6) at every token capacity, with and without a shared expert (Is = I, group 128).
 _SMALL = (512, 256, 8, 4, 16)
-_PAPER = {"glm5.2": (6144, 2048, 32, 8), "dsv4.1-flash": (5120, 2304, 48, 6)}
+_PAPER_RANKS = 8  # the per-rank shapes `bench --model M` runs (its default --ranks): L = E / 8 local experts
+_PAPER = {name: (m.H, m.I, m.E // _PAPER_RANKS, m.k) for name, m in geometry.MODELS.items()}
 _PAPER_CAPACITIES = (8, 16, 32, 64, 128, 256)
 _SHARED_GROUP = 128
 

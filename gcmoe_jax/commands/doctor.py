@@ -210,7 +210,8 @@ def format_report(r: dict[str, Any]) -> str:
     if lib["stale"]:
       lines.append("  WARNING   built from other csrc/ sources than this checkout's: rebuild it")
   for p, s in lib["registered"].items():
-    lines.append(f"  target    {ffi.TARGET} on {p}: " + ("registered" if s["ok"] else "NOT registered") +
+    lines.append(f"  target    {ffi.declared_targets(b, p)} on {p}: "
+                 + ("registered" if s["ok"] else "NOT registered") +
                  f" ({s['reason']})")
   lines.append("")
   for p, s in r["handlers"].items():

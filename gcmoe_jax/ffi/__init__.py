@@ -8,6 +8,7 @@ through one `jax.ffi.ffi_call` path (`_moe`).
 
 from gcmoe_jax.ffi._library import TARGET as TARGET
 from gcmoe_jax.ffi._library import TARGET_SYNC as TARGET_SYNC
+from gcmoe_jax.ffi._library import declared_targets as declared_targets
 from gcmoe_jax.ffi._library import LibraryInfo as LibraryInfo
 from gcmoe_jax.ffi._library import library as library
 from gcmoe_jax.ffi._library import library_info as library_info

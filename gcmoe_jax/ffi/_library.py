@@ -101,8 +101,8 @@ class LibraryInfo:
     lines.append(f"runtime:   jax {self.jax_version}, jaxlib {self.jaxlib_version}, XLA FFI C API "
                  + (f"{rt[0]}.{rt[1]}" if rt else "unknown"))
     for platform, s in self.registered.items():
-      lines.append(f"target:    {TARGET} on {platform}: " + ("registered" if s.ok else "not registered") +
-                   f" ({s.reason})")
+      lines.append(f"target:    {declared_targets(self.build, platform)} on {platform}: "
+                   + ("registered" if s.ok else "not registered") + f" ({s.reason})")
     return "\n".join(lines)
 
 
@@ -150,6 +150,12 @@ def _candidates() -> list[tuple[str, Path]]:
       seen.add(p)
       unique.append((step, p))
   return unique
+
+
+def declared_targets(build: dict[str, Any] | None, platform: str) -> str:
+  """The custom-call targets a library's build info declares for ``platform``, comma-separated (labels)."""
+  names = [t for t, platforms in (build or {}).get("targets", {}).items() if platform in platforms]
+  return ", ".join(names) or TARGET
 
 
 def _register(lib: ctypes.CDLL, build: dict[str, Any]) -> dict[str, Support]:
