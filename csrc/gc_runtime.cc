@@ -106,7 +106,7 @@ void RegisterVariant(const std::string& key, std::shared_ptr<VariantSpec> spec) 
   Sha256 sha;
   sha.Add(spec->capacity).Add(spec->dispatch_sms).Add(spec->timeout_ns).Add(spec->ws_total).Add(spec->ws_silu_table);
   sha.Add(spec->planned_compute_sms).Add(spec->ranks).Add(spec->finalize_early_tokens);
-  sha.Add(spec->solo_tokens).Add(spec->solo_blocks);
+  sha.Add(spec->solo_tokens).Add(spec->solo_blocks).Add(spec->solo_all_sms);
   for (int32_t d : spec->peer_devices) sha.Add(d);
   for (const TensorMapSpec& m : spec->tensormaps) {
     sha.Add(m.param).Add(m.dtype).Add(m.dim0).Add(m.dim1).Add(m.row_stride).Add(m.box0).Add(m.box1).Add(m.swizzle);
@@ -645,12 +645,17 @@ std::string Runtime::Build(int64_t tokens, float clamp) {
   // wait).
   solo_ = group_ == nullptr && s.ranks == 1 && tokens <= s.solo_tokens && s.solo_blocks > 0;
   const unsigned combining = solo_ ? static_cast<unsigned>(std::max<int64_t>(1, tokens) * s.solo_blocks) : 0u;
+  // Role 2 alone over every SM (VariantSpec::solo_all_sms): on the stream's own context, which holds them all, its
+  // item grid scaled from the compute partition's SMs to the device's below. The kernel sizes everything grid-wide by
+  // its grid, so only the residency check (eq. 6) needs the larger SM count.
+  const bool all_sms = solo_ && s.solo_all_sms != 0;
+  if (all_sms) role_ctx_[1] = primary_;
   bool beside = !solo_ && group_ == nullptr && s.ranks == 1 && tokens <= s.finalize_early_tokens &&
                 role_ctx_[0] != role_ctx_[1];
   role_ctx_[2] = role_ctx_[beside ? 0 : 1];
 
   // ---- Cubins and the residency check (eq. 6) at the exact launch configuration.
-  unsigned role_sms[kNumRoles] = {partition_.dispatch_sms, partition_.compute_sms,
+  unsigned role_sms[kNumRoles] = {partition_.dispatch_sms, all_sms ? partition_.total_sms : partition_.compute_sms,
                                   beside ? partition_.dispatch_sms : partition_.compute_sms};
   // A grid of 0 in the spec means: role 1 one CTA, role 2 one CTA per compute SM, role 3 one CTA per token.
   const unsigned auto_grid[kNumRoles] = {1u, partition_.compute_sms, static_cast<unsigned>(std::max<int64_t>(1, tokens))};
@@ -659,6 +664,9 @@ std::string Runtime::Build(int64_t tokens, float clamp) {
     role = s.role[r];
     role.cubin.clear();
     if (role.grid == 0) role.grid = auto_grid[r];
+    if (r == 1 && all_sms) {  // the planned CTAs per compute SM, on every SM
+      role.grid = (role.grid + partition_.compute_sms - 1) / partition_.compute_sms * partition_.total_sms;
+    }
     GCMOE_CU(cu_.cuLibraryLoadData(&library_[r], s.role[r].cubin.data(), nullptr, nullptr, 0, nullptr, nullptr, 0));
     unsigned count = 0;
     GCMOE_CU(cu_.cuLibraryGetKernelCount(&count, library_[r]));
@@ -1118,8 +1126,9 @@ std::string Runtime::SetStall(int32_t e) {
 // Registers a kernel variant under `key` (gcmoe_jax/ffi/_cuda.py). `config`: capacity, dispatch_sms, timeout_ns,
 // ws_total, ws_silu_table[, planned compute SMs[, R ranks of the fused transport[, the tokens up to which role 3 may
 // run beside role 2 (abi.FINALIZE_EARLY_TOKENS)[, the tokens up to which the graph holds role 2 alone
-// (abi.scan_tokens), role 2's combining CTAs per token then (abi.solo_ctas)[, with R > 1 the CUDA ordinals of its
-// peer groups, group-major]]]]] (int64); `launch`: (grid, block, dynamic smem) of roles 1, 2, 3 (9 uint32); the three
+// (abi.scan_tokens), role 2's combining CTAs per token then (abi.solo_ctas)[, where it runs alone (0: the compute
+// partition, 1: every SM; GCMOE_SOLO_SMS)[, with R > 1 the CUDA ordinals of its peer groups, group-major]]]]]]
+// (int64); `launch`: (grid, block, dynamic smem) of roles 1, 2, 3 (9 uint32); the three
 // cubins; the silu table (65536 float32); role 2's TensorMaps (abi.tensormap_fields, 8 int64 each, formal order).
 // Returns 0, or -1 with the reason in `error`.
 GCMOE_EXPORT int gcmoe_register_variant(const char* key, const int64_t* config, int num_config,
@@ -1136,6 +1145,7 @@ GCMOE_EXPORT int gcmoe_register_variant(const char* key, const int64_t* config, 
   const int64_t finalize_early_tokens = num_config > 7 ? config[7] : 0;
   const int64_t solo_tokens = num_config > 8 ? config[8] : 0;
   const int64_t solo_blocks = num_config > 9 ? config[9] : 0;
+  const int64_t solo_all_sms = num_config > 10 ? config[10] : 0;
   // Both 0 (never alone) or both > 0, and one GPU: a config of the layout before these two words (peer devices from
   // index 8) cannot pass as one of this layout.
   if (solo_tokens < 0 || solo_blocks < 0 || (solo_tokens == 0) != (solo_blocks == 0) || config[0] < solo_tokens ||
@@ -1148,8 +1158,14 @@ GCMOE_EXPORT int gcmoe_register_variant(const char* key, const int64_t* config, 
                                std::to_string(ranks),
                            error, error_size);
   }
-  const int64_t num_devices = num_config > 10 ? num_config - 10 : 0;
-  std::vector<int32_t> peer_devices(config + std::min<int64_t>(num_config, 10), config + num_config);
+  if (solo_all_sms != 0 && (solo_all_sms != 1 || solo_tokens == 0)) {
+    return gcmoe::FailWith("gcmoe_register_variant: where role 2 runs alone is 0 (the compute partition) or 1 "
+                               "(every SM), and 1 only where it runs alone (solo tokens > 0); got " +
+                               std::to_string(solo_all_sms) + " with solo tokens " + std::to_string(solo_tokens),
+                           error, error_size);
+  }
+  const int64_t num_devices = num_config > 11 ? num_config - 11 : 0;
+  std::vector<int32_t> peer_devices(config + std::min<int64_t>(num_config, 11), config + num_config);
   // This process's devices (ordinals >= 0) at most once in all; a device of another process is -(1 + its process
   // index), at most once per group, and a group with one has at most one of this process's (CUDA IPC, not peer
   // access, connects it).
@@ -1225,6 +1241,7 @@ GCMOE_EXPORT int gcmoe_register_variant(const char* key, const int64_t* config, 
   spec->finalize_early_tokens = finalize_early_tokens;
   spec->solo_tokens = solo_tokens;
   spec->solo_blocks = solo_blocks;
+  spec->solo_all_sms = solo_all_sms;
   spec->peer_devices = std::move(peer_devices);
   const void* cubins[3] = {cubin1, cubin2, cubin3};
   const int64_t sizes[3] = {size1, size2, size3};

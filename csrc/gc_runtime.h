@@ -94,6 +94,10 @@ struct VariantSpec {
   // GCMOE_SOLO=0): its `tokens` parameter carries kTokensSolo, and it is launched with solo_blocks CTAs per token
   // (at least one token) beyond its grid, which do roles 1 and 3's work (abi.solo_ctas).
   int64_t solo_tokens = 0, solo_blocks = 0;
+  // Where role 2 runs alone: 0 on the compute green context (its item grid sized by that partition), 1 on the
+  // stream's own context over every SM of the device, its item grid scaled to them (GCMOE_SOLO_SMS=all): role 2
+  // alone has no role beside it to keep the dispatch SMs for.
+  int64_t solo_all_sms = 0;
   std::vector<int32_t> peer_devices;
   std::array<RoleSpec, kNumRoles> role;
   std::vector<TensorMapSpec> tensormaps;  // role 2's, in formal order (none for v1 and for test kernels)

@@ -52,6 +52,12 @@ _positive_int.__name__ = "a positive int"
 _wait_ms.__name__ = "a number of milliseconds"
 
 
+def _solo_sms(text: str) -> str:
+  if text not in ("compute", "all"):
+    raise ValueError("expected compute or all")
+  return text
+
+
 def _bool(text: str) -> bool:
   if text.lower() in ("1", "true", "yes", "on"):
     return True
@@ -101,6 +107,10 @@ VARS = {v.name: v for v in (
   Var("GCMOE_SOLO", _bool, True, "one GPU, up to kernels.abi.scan_tokens tokens (8 where k <= 8): the graph holds "
                                  "role 2 alone, which then also checks the ids and combines y (docs/kernels_v2.md "
                                  "\"Role 2 alone at B <= 8\"); 0: roles 1 and 3 run too (A/B timing, debugging)"),
+  Var("GCMOE_SOLO_SMS", _solo_sms, "compute", "where role 2 alone runs (GCMOE_SOLO): compute (the compute green "
+                                               "context, its item grid sized by that partition) or all (the "
+                                               "stream's own context over every SM of the device, the item grid "
+                                               "scaled to them: the dispatch SMs idle otherwise; A/B timing)"),
   Var("GCMOE_SYNC_CHECK", _bool, False, "synchronise after each CUDA call and raise a device fault at once, also "
                                         "under XLA command buffers, which then leave the call out (tests, "
                                         "debugging); otherwise it is raised by the next call that runs the handler"),

@@ -335,17 +335,21 @@ def test_up_to_eight_tokens_role2_runs_alone(shared, monkeypatch):
   T = 9, where roles 1 and 3 run): 12 calls each over three rotating inputs (a stale y would show), every one
   bit-exact; the epoch advanced by one per call; in the last call's counters every combining CTA counted itself in
   (beside role 2, every role-3 CTA); an id >= E under ``jit`` raises naming it and the next call is exact again;
-  and with ``GCMOE_SOLO=0`` the graph has all three roles again, exact."""
+  with ``GCMOE_SOLO_SMS=all`` (role 2 alone over every SM) the same at T = 1, 5, 8, with more item CTAs than on the
+  compute partition; and with ``GCMOE_SOLO=0`` the graph has all three roles again, exact."""
   from gcmoe_jax.ffi import _cuda
   from gcmoe_jax.kernels import abi, build
   monkeypatch.setenv("GCMOE_SYNC_CHECK", "1")
-  for solo_env, tokens_list in (("1", (1, 5, 8, 9)), ("0", (2,))):
+  items_done = {}
+  for solo_env, sms, tokens_list in (("1", "compute", (1, 5, 8, 9)), ("1", "all", (1, 5, 8)), ("0", "compute", (2,))):
     monkeypatch.setenv("GCMOE_SOLO", solo_env)
+    monkeypatch.setenv("GCMOE_SOLO_SMS", sms)
     for tokens in tokens_list:
       shape = dataclasses.replace(SMALL, tokens=tokens, shared_intermediate=256 if shared else None,
                                   shared_group=shared or 128)
       # A clamp of its own: the runtime (and so the workspace read back) is this loop's, not a cached one.
-      clamp = 11.5 + tokens / 64 + (1 / 128 if shared else 0) + (1 / 256 if solo_env == "0" else 0)
+      clamp = (11.5 + tokens / 64 + (1 / 128 if shared else 0) + (1 / 256 if solo_env == "0" else 0)
+               + (1 / 512 if sms == "all" else 0))
       problems = [quantized(make_problem("default", shape, seed=90 + 7 * tokens + i)) for i in range(3)]
       w0 = problems[0][1]  # one layer's weights, three inputs
       inputs = [(x, r, np.asarray(emulated(x, w0, r.ids, r.weights, clamp=clamp)).view(np.uint16))
@@ -367,12 +371,15 @@ def test_up_to_eight_tokens_role2_runs_alone(shared, monkeypatch):
       args = (variant.experts, variant.capacity, variant.shared)
       words, at = abi.counter_words(*args), abi.role2_done(*args)
       last = np.frombuffer(raw, np.uint32, words, ws.counters + 4 * words * (epochs[-1] & 1))
-      print(f"\n  T={tokens} GCMOE_SOLO={solo_env}: epochs {epochs[0]}..{epochs[-1]}, combining CTAs {combining}, "
-            f"item CTAs done {last[at]}, combining CTAs in {last[at + 1]}")
+      print(f"\n  T={tokens} GCMOE_SOLO={solo_env} GCMOE_SOLO_SMS={sms}: epochs {epochs[0]}..{epochs[-1]}, combining "
+            f"CTAs {combining}, item CTAs done {last[at]}, combining CTAs in {last[at + 1]}")
       assert epochs == list(range(epochs[0], epochs[0] + 12))
       assert combining == (abi.solo_ctas(shape.hidden, tokens) if alone else 0)
       beside = not alone and tokens <= abi.FINALIZE_EARLY_TOKENS
       assert last[at] > 0 and last[at + 1] == (combining if alone else tokens if beside else 0)
+      items_done[sms, tokens] = int(last[at])
+      if sms == "all":  # the item grid scaled from the compute partition's SMs to the device's
+        assert items_done["all", tokens] > items_done["compute", tokens], items_done
       if alone and tokens == 5:
         bad = inputs[0][1].ids.at[1, 0].set(shape.experts + 91)
         with pytest.raises(Exception, match=rf"role 1 read expert id {shape.experts + 91}"):

@@ -497,7 +497,8 @@ def test_fused_variant_registration_checks_its_peer_groups(ranks, devices, ok):
   ordinals, another process's device as -(1 + process index)); the library refuses a ragged group, a device twice,
   a group mixing two of this process's devices with another process's, ordinals without R > 1 and R past
   abi.MAX_RANKS, naming what it got."""
-  _register_or_refuse(f"fused-registration-{ranks}-{devices}", (8, 6, 10**9, 4096, 256, 0, ranks, 0, 0, 0, *devices),
+  _register_or_refuse(f"fused-registration-{ranks}-{devices}", (8, 6, 10**9, 4096, 256, 0, ranks, 0, 0, 0, 0,
+                                                                 *devices),
                       None if ok else rf"the fused transport needs R in \[2, {abi.MAX_RANKS}\] and its peer groups' "
                                       rf"devices .* got R = {ranks} and {len(devices)} devices")
 
@@ -514,9 +515,58 @@ def test_role2_alone_registration_checks_its_sizes(solo_tokens, per_token, ranks
   naming it."""
   devices = (0, 1) if ranks > 1 else ()
   _register_or_refuse(f"solo-registration-{solo_tokens}-{per_token}-{ranks}",
-                      (8, 6, 10**9, 4096, 256, 0, ranks, 8, solo_tokens, per_token, *devices),
+                      (8, 6, 10**9, 4096, 256, 0, ranks, 8, solo_tokens, per_token, 0, *devices),
                       None if ok else rf"role 2 alone needs .* got solo tokens {solo_tokens}, combining CTAs per "
                                       rf"token {per_token}, capacity 8, R = {ranks}")
+
+
+@pytest.mark.parametrize("solo_tokens, all_sms, ok", [(4, 0, True), (4, 1, True), (0, 1, False), (4, 2, False),
+                                                      (4, -1, False)])
+def test_role2_alone_over_every_sm_registration(solo_tokens, all_sms, ok):
+  """config[10] (`GCMOE_SOLO_SMS`): role 2 alone on the compute partition (0) or over every SM (1), and 1 only
+  where role 2 runs alone; anything else is refused, naming it."""
+  _register_or_refuse(f"solo-all-registration-{solo_tokens}-{all_sms}",
+                      (8, 6, 10**9, 4096, 256, 0, 1, 8, solo_tokens, 3 if solo_tokens else 0, all_sms),
+                      None if ok else rf"where role 2 runs alone is 0 .* got {all_sms} with solo tokens {solo_tokens}")
+
+
+def test_solo_sms_reaches_the_registration(monkeypatch):
+  """`GCMOE_SOLO_SMS=all` registers role 2 alone over every SM (config[10] = 1, under its own key); the default
+  keeps it on the compute partition (0); without role 2 alone there is nothing to place (0); a value other than
+  compute or all is refused naming the variable."""
+  from gcmoe_jax import _config
+  from gcmoe_jax.ffi import _cuda
+  from gcmoe_jax.kernels import build
+  seen = {}
+  monkeypatch.setattr(_cuda, "register_raw", lambda key, config, *a, **k: seen.update({key: config}))
+  monkeypatch.setattr(build, "load_or_build", lambda arch, variant: _FakeBuilt())
+  monkeypatch.setattr(build, "generation", lambda: "v2")
+  monkeypatch.delenv("GCMOE_SOLO_SMS", raising=False)
+  assert _config.get("GCMOE_SOLO_SMS") == "compute"
+  variant = build.Variant(512, 256, 8, 4, 8)
+  _cuda._register.cache_clear()
+  keys = {}
+  for solo, sms in ((True, "compute"), (True, "all"), (False, "all")):
+    keys[solo, sms] = key = _cuda._register("sm_90a", variant, 6, 128, 10**9, solo=solo, solo_sms=sms)
+    assert seen[key][8:11] == ((8, 1, int(sms == "all")) if solo else (0, 0, 0)), (solo, sms, seen[key])
+  assert len(set(keys.values())) == 3 and keys[True, "all"].endswith(":all")
+  _cuda._register.cache_clear()
+  monkeypatch.setenv("GCMOE_SOLO_SMS", "most")
+  with pytest.raises(ValueError, match="GCMOE_SOLO_SMS.*expected compute or all"):
+    _config.get("GCMOE_SOLO_SMS")
+
+
+class _FakeBuilt:
+  """A `build.BuiltVariant` stand-in for registration tests: launch shapes and empty cubins."""
+
+  def launch(self, r: int, compute_sms: int = 0) -> tuple[int, int, int]:
+    return (2 * compute_sms if r == 2 else 0, 256, 0)
+
+  def cubin(self, r: int) -> bytes:
+    return b"\0"
+
+  def tensormap_fields(self) -> tuple[int, ...]:
+    return ()
 
 
 def _w13_map(**change) -> dict:

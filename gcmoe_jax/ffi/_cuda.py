@@ -113,8 +113,9 @@ def register_raw(key: str, config: tuple[int, ...], launch: tuple[int, ...], cub
       geometry planned: the runtime rejects a driver split that differs; 0 or absent: not checked[, R ranks (1: one
       GPU)[, the tokens up to which role 3 may run beside role 2 (`abi.FINALIZE_EARLY_TOKENS`; 0 or absent: never)[,
       the tokens up to which the graph holds role 2 alone (`abi.scan_tokens`; 0 or absent: never), role 2's
-      combining CTAs per token there (`abi.solo_ctas`)[, with R > 1 the CUDA ordinals of the fused transport's peer
-      groups, group-major]]]]]).
+      combining CTAs per token there (`abi.solo_ctas`)[, where role 2 alone runs (0: the compute partition, 1: every
+      SM, ``GCMOE_SOLO_SMS=all``)[, with R > 1 the CUDA ordinals of the fused transport's peer groups,
+      group-major]]]]]]).
     launch: (grid, block, dynamic SMEM) of roles 1, 2, 3; grid 0 is the runtime's choice.
     cubins: the three role cubins. silu: the float32 table of `reference.silu_table`.
     tensormaps: role 2's TensorMaps (`build.BuiltVariant.tensormap_fields`): the runtime encodes them from the
@@ -147,7 +148,8 @@ def workspace_bytes(ws: abi.Workspace) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _register(arch: str, variant: build.Variant, dispatch_sms: int, compute_sms: int, timeout_ns: int,
-              peer_devices: tuple[int, ...] = (), partition_dispatch_sms: int = 0, solo: bool = True) -> str:
+              peer_devices: tuple[int, ...] = (), partition_dispatch_sms: int = 0, solo: bool = True,
+              solo_sms: str = "compute") -> str:
   ablation = _config.get("GCMOE_ABLATION")
   if ablation:
     # A timing build (docs/kernels_v2.md) must never pass for the operator: say so at every variant it serves.
@@ -162,9 +164,11 @@ def _register(arch: str, variant: build.Variant, dispatch_sms: int, compute_sms:
   one_gpu_v2 = variant.ranks == 1 and build.generation() == "v2"
   early = abi.FINALIZE_EARLY_TOKENS if one_gpu_v2 else 0
   solo_tokens = abi.scan_tokens(variant.top_k, variant.capacity) if one_gpu_v2 and solo else 0
-  key += f":s{solo_tokens}"
+  # Role 2 alone over every SM (GCMOE_SOLO_SMS=all) or on the compute partition.
+  solo_all = int(bool(solo_tokens) and solo_sms == "all")
+  key += f":s{solo_tokens}" + (":all" if solo_all else "")
   config = (variant.capacity, dispatch_sms, timeout_ns, workspace_bytes(ws), ws.silu_table, compute_sms,
-            variant.ranks, early, solo_tokens, abi.solo_ctas(variant.hidden, 1) if solo_tokens else 0)
+            variant.ranks, early, solo_tokens, abi.solo_ctas(variant.hidden, 1) if solo_tokens else 0, solo_all)
   launch = tuple(v for r in (1, 2, 3) for v in built.launch(r, compute_sms))
   if variant.ranks > 1:
     # The fused transport: the CUDA ordinals of every peer group, group-major; role 1's pulls spread over the
@@ -212,7 +216,7 @@ def prepare(hidden: int, intermediate: int, experts: int, top_k: int, tokens: in
     raise ValueError("moe: the green-context split cannot run here: " + "; ".join(problems))
   key = _register(s.reason, variant, partition.dispatch_requested, partition.compute_sms, timeout_ns,
                   tuple(d for g in peer_groups for d in g), partition.dispatch_sms if peer_groups else 0,
-                  _config.get("GCMOE_SOLO"))
+                  _config.get("GCMOE_SOLO"), _config.get("GCMOE_SOLO_SMS"))
   if any(d < 0 for g in peer_groups for d in g):
     connect_processes(key, f"{build.cache_key(s.reason, variant)}.g{len(peer_groups)}", peer_groups, exchange)
   return key
