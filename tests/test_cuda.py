@@ -15,7 +15,7 @@ import pytest
 import gcmoe_jax as gm
 from conftest import SMALL, quantized
 from gcmoe_jax import ffi, reference
-from gcmoe_jax.bench import accuracy
+from gcmoe_jax.bench import accuracy, sweep
 from gcmoe_jax.bench.problems import CASE_FAMILIES, make_problem
 
 pytestmark = pytest.mark.gpu
@@ -388,7 +388,9 @@ def test_up_to_eight_tokens_role2_runs_alone(shared, monkeypatch):
         np.testing.assert_array_equal(np.asarray(y).view(np.uint16), inputs[1][2], err_msg="after the fault")
 
 
-PAPER = {"glm5.2": (6144, 2048, 32, 8), "dsv4.1-flash": (5120, 2304, 48, 6)}
+# The paper's per-rank shapes (H, I, L, k), as the bench runs them (`bench.sweep.model_shape`: L = E / 8).
+PAPER = {name: (s.hidden, s.intermediate, s.experts, s.top_k)
+         for name, s in ((name, sweep.model_shape(name)) for name in ("glm5.2", "dsv4.1-flash"))}
 _PAPER_WEIGHTS = {}
 
 
