@@ -390,7 +390,7 @@ def test_up_to_eight_tokens_role2_runs_alone(shared, monkeypatch):
 
 # The paper's per-rank shapes (H, I, L, k), as the bench runs them (`bench.sweep.model_shape`: L = E / 8).
 PAPER = {name: (s.hidden, s.intermediate, s.experts, s.top_k)
-         for name, s in ((name, sweep.model_shape(name)) for name in ("glm5.2", "dsv4.1-flash"))}
+         for name, s in ((n, sweep.model_shape(n)) for n in ("glm5.2", "dsv4.1-flash"))}
 _PAPER_WEIGHTS = {}
 
 
