@@ -21,13 +21,15 @@ import sys
 import time
 
 from gcmoe_jax import geometry
+from gcmoe_jax.bench import sweep
 
 # The GPU check set (docs/kernels.md): the small test shape (top-1, 4, 8) with and without a shared expert (group
 # 128 and 32), and the paper's per-rank shapes GLM5.2 (H 6144, I 2048, E 32, k 8) and DSV4.1-Flash (H 5120,
 # I 2304, E 48, k 6) at every token capacity, with and without a shared expert (Is = I, group 128).
 _SMALL = (512, 256, 8, 4, 16)
-_PAPER_RANKS = 8  # the per-rank shapes `bench --model M` runs (its default --ranks): L = E / 8 local experts
-_PAPER = {name: (m.H, m.I, m.E // _PAPER_RANKS, m.k) for name, m in geometry.MODELS.items()}
+# (H, I, L, k) of the per-rank shapes `bench --model M` runs (`sweep.model_shape`: L = E / its default --ranks).
+_PAPER = {name: (s.hidden, s.intermediate, s.experts, s.top_k)
+          for name, s in ((n, sweep.model_shape(n)) for n in geometry.MODELS)}
 _PAPER_CAPACITIES = (8, 16, 32, 64, 128, 256)
 _SHARED_GROUP = 128
 
