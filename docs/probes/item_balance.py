@@ -79,9 +79,12 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--parts", nargs="+", default=["1/1"], help="K parts of GEMM1/GEMM2 items, e.g. 1/1 1/2 2/2")
   ap.add_argument("--draws", type=int, default=50)
   args = ap.parse_args(argv)
-  splits = [tuple(int(p) for p in s.split("/")) for s in args.parts]
-  if any(len(s) != 2 or min(s) < 1 for s in splits):
-    ap.error(f"--parts: each must be P1/P2 with P1, P2 >= 1, got {args.parts}")
+  try:
+    splits = [tuple(int(p) for p in s.split("/")) for s in args.parts]
+  except ValueError:
+    splits = []
+  if not splits or any(len(s) != 2 or min(s) < 1 for s in splits):
+    ap.error(f"--parts: each must be P1/P2 with integers P1, P2 >= 1, got {args.parts}")
   print("| model | B | CTAs | K parts | makespan | work / CTA | chain | loss |")
   print("| --- " * 8 + "|")
   for model in args.model:
