@@ -12,8 +12,8 @@ The expert weights are quantized once, when the module is built, and held as an 
 are an `nnx.Param`, but no gradient reaches them through this layer: `gcmoe_jax.moe` is forward-only (decode), and
 `jax.grad` through it raises TypeError; train the dense model (`reference.moe_bf16`) instead.
 
-TODO(issue 8): expert-parallel sharding. The `QuantizedParam` leaves will carry a `NamedSharding` over an ``ep``
-mesh axis (experts split over it) and `__call__` will pass the axis to the operator; nothing here is sharded yet.
+Expert parallelism: `MoE.shard(mesh, axis)` puts the routed experts' `QuantizedParam` leaves on a `NamedSharding`
+over that mesh axis (the shared expert replicated), and `__call__` then passes it to the operator as ``ep_axis``.
 """
 
 from __future__ import annotations

@@ -275,7 +275,8 @@ def platform_support(platform: str) -> Support:
   key = "CUDA" if platform == "cuda" else "cpu"
   s = info.registered.get(key)
   if s is None:
-    return Support(False, f"{info.path} declares no {key} target (built without a CUDA toolkit?)")
+    hint = "built without a CUDA toolkit?" if key == "CUDA" else "rebuild it with the default CMake options"
+    return Support(False, f"{info.path} declares no {key} target ({hint})")
   if not s.ok:
     return s
   if platform == "cuda":
