@@ -28,9 +28,9 @@ def _kernels(text: str) -> str:
 def _ablation(text: str) -> str:
   if text not in ("", "nomath", "nogemm2", "widedecode", "tma", "static", "evenbodies",
                   "timeline", "nosingle", "twoplane", "stagebar", "sharedfirst",
-                  "routedfirst", "regpull", "onecta", "nofourrow", "stagetest"):
+                  "routedfirst", "regpull", "onecta", "nofourrow", "stagetest", "kpair"):
     raise ValueError("expected nomath, nogemm2, widedecode, tma, static, evenbodies, timeline, nosingle, twoplane, "
-                     "stagebar, sharedfirst, routedfirst, regpull, onecta, nofourrow, stagetest or empty")
+                     "stagebar, sharedfirst, routedfirst, regpull, onecta, nofourrow, stagetest, kpair or empty")
   return text
 
 
@@ -98,7 +98,9 @@ VARS = {v.name: v for v in (
                                        "else one), results exact, for A/B timing; nofourrow: passes of 3 or 4 "
                                        "rows in the 1-tile body instead of the four-row body, results exact, for "
                                        "A/B timing; stagetest: one fast-path test per K128 stage where two "
-                                       "stages share a CTA barrier, results exact, for A/B timing); "
+                                       "stages share a CTA barrier, results exact, for A/B timing; kpair: "
+                                       "GEMM2 items of 64 rows with K split between warp pairs at calls of up to "
+                                       "2 tokens, results meant exact, not yet run on a GPU, for A/B timing); "
                                        "part of the cubin key"),
   Var("GCMOE_WAIT_TIMEOUT_MS", _wait_ms, 2000, "bound of every device spin-wait; expiry becomes a Python exception"),
   Var("GCMOE_FIRST_WAIT_TIMEOUT_MS", _wait_ms, 120_000, "bound of the spin-waits of the first call of the fused "

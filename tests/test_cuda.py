@@ -388,6 +388,82 @@ def test_up_to_eight_tokens_role2_runs_alone(shared, monkeypatch):
         np.testing.assert_array_equal(np.asarray(y).view(np.uint16), inputs[1][2], err_msg="after the fault")
 
 
+_KPAIR_CHECK = r"""
+import sys
+import jax, jax.numpy as jnp, numpy as np
+import gcmoe_jax as gm
+from gcmoe_jax import reference
+from gcmoe_jax.bench import sweep
+from gcmoe_jax.kernels import build
+
+emulated = jax.jit(reference.moe_emulated, static_argnames=("clamp",))
+cases = []  # (name, (H, I, E, k), shared Is or None, group, ids)
+rng = np.random.default_rng(5)
+for shared, group in ((None, 128),):
+  small = (512, 256, 8, 4)
+  for t in (1, 2, 3):
+    cases.append((f"small T={t}", small, shared, group, np.argsort(rng.random((t, 8)), axis=1)[:, :4]))
+  cases.append(("small T=2, expert 0 in both", small, shared, group, np.array([[0, 1, 2, 3], [0, 4, 5, 6]])))
+  cases.append(("small T=2, expert 1 three times", small, shared, group, np.array([[1, 1, 1, 2], [3, 4, 5, 6]])))
+for model in ("glm5.2", "dsv4.1-flash"):
+  s = sweep.model_shape(model)
+  shape = (s.hidden, s.intermediate, s.experts, s.top_k)
+  for t in (1, 2):
+    ids = np.argsort(rng.random((t, s.experts)), axis=1)[:, :s.top_k]
+    ids[-1, 0] = ids[0, 0]  # at T = 2 one expert takes both tokens (the two-row body)
+    cases.append((f"{model} T={t}", shape, None, 128, ids))
+variants = {build.Variant(h, i, e, k, 8, sh, g if sh else None) for _, (h, i, e, k), sh, g, _ in cases}
+try:
+  for v in variants:
+    build.load_or_build("sm_90a", v)
+except build.BuildError as e:
+  print(f"MISSING: {e}")
+  sys.exit(3)
+bad = 0
+weights = {}
+for name, (h, i, e, k), sh, g, ids in cases:
+  key = (h, i, e, k, sh, g)
+  if key not in weights:
+    weights.clear()
+    ks = jax.random.split(jax.random.key(h + e + (sh or 0)), 4)
+    shared = None
+    if sh:
+      shared = (jax.random.normal(ks[2], (h, 2 * sh)) / np.sqrt(h), jax.random.normal(ks[3], (sh, h)) / np.sqrt(sh))
+    weights[key] = gm.quantize_experts(jax.random.normal(ks[0], (e, h, 2 * i)) / np.sqrt(h),
+                                       jax.random.normal(ks[1], (e, i, h)) / np.sqrt(i), shared=shared,
+                                       shared_group=g)
+  w = weights[key]
+  t = ids.shape[0]
+  x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+  rw = jnp.asarray(rng.random((t, k)) + 0.1, jnp.float32)
+  r = gm.Routes(jnp.asarray(ids, jnp.int32), rw)
+  y = np.asarray(gm.moe(x, w, r, clamp=10.0, backend="cuda")).view(np.uint16)
+  want = np.asarray(emulated(x, w, r.ids, rw, clamp=10.0)).view(np.uint16)
+  same = float(np.mean(y == want))
+  print(f"{name}{' + shared g' + str(g) if sh else ''}: bit-exact share {same:.6f}")
+  bad += same != 1.0
+sys.exit(1 if bad else 0)
+"""
+
+
+def test_the_kpair_build_matches_the_oracle_bit_for_bit():
+  """``GCMOE_ABLATION=kpair`` (docs/kernels_v2.md "Item balance": GEMM2 items of 64 rows with K split between warp
+  pairs at up to 2 tokens, routed variants) gives the oracle's bits: the small shape at T = 1, 2 (one expert in both
+  tokens: the two-row body) and 3 (normal items), T = 2 with an expert of three rows (normal items in that build),
+  and both paper shapes at T = 1 and 2. In a process of its own (a registered variant is
+  cached per process, whatever the build); skipped unless ``GCMOE_CUBIN_DIR`` holds that build's cubins
+  (``GCMOE_ABLATION=kpair python -m gcmoe_jax build-kernels --variant ...`` of the T8 variants)."""
+  import os
+  import subprocess
+  import sys
+  env = dict(os.environ, GCMOE_ABLATION="kpair", PYTHONWARNINGS="ignore::RuntimeWarning")
+  run = subprocess.run([sys.executable, "-c", _KPAIR_CHECK], env=env, capture_output=True, text=True, timeout=900)
+  print(run.stdout)
+  if run.returncode == 3:
+    pytest.skip(run.stdout.strip().splitlines()[-1][:300])
+  assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+
+
 # The paper's per-rank shapes (H, I, L, k), as the bench runs them (`bench.sweep.model_shape`: L = E / 8).
 PAPER = {name: (s.hidden, s.intermediate, s.experts, s.top_k)
          for name, s in ((n, sweep.model_shape(n)) for n in ("glm5.2", "dsv4.1-flash"))}

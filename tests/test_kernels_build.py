@@ -619,15 +619,29 @@ def test_narrow_passes_of_routed_variants_meet_at_a_barrier_every_two_stages(bui
   assert waits(shared) - {1} == {n - 2 for n in waits(shared_per_stage) - {1}} != set()
 
 
-def _role2_only_ablation(ablation, cache, monkeypatch):
-  """SMALL_SHARED built normally and with ``GCMOE_ABLATION=ablation``: its own key, roles 1 and 3 unchanged."""
-  normal = build.compile_variant("sm_90a", SMALL_SHARED, cache_dir=cache)
+def _role2_only_ablation(ablation, cache, monkeypatch, variant=SMALL_SHARED):
+  """``variant`` built normally and with ``GCMOE_ABLATION=ablation``: its own key, roles 1 and 3 unchanged."""
+  normal = build.compile_variant("sm_90a", variant, cache_dir=cache)
   monkeypatch.setenv("GCMOE_ABLATION", ablation)
-  ablated = build.compile_variant("sm_90a", SMALL_SHARED, cache_dir=cache)
+  ablated = build.compile_variant("sm_90a", variant, cache_dir=cache)
   assert f"+{ablation}-" in ablated["key"] and ablated["key"] != normal["key"]
   for role in (1, 3):
     assert _ptx(ablated, role) == _ptx(normal, role)
   return normal, ablated
+
+
+@needs_dsl
+@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
+def test_the_kpair_build_hands_gemm2_blocks_between_warp_pairs(cache, monkeypatch):
+  """GCMOE_ABLATION=kpair (GEMM2 items of 64 rows with K split between warps w and w + 4 at up to two tokens,
+  routed variants, docs/kernels_v2.md "Item balance"): its own key, roles 1 and 3 as they are, and in role 2 the
+  16-byte SMEM stores of warps 4-7's block contributions and the loads of warps 0-3 that add them, which the normal
+  build has none of."""
+  normal, kpair = _role2_only_ablation("kpair", cache, monkeypatch, SMALL)
+  a, b = _ptx(normal, 2), _ptx(kpair, 2)
+  for op in ("st.shared.v4.u32", "ld.shared.v4.u32"):
+    assert op not in a and op in b, op
+  assert kpair["roles"][1]["spill_bytes"] <= build._ABLATION_SPILL_BUDGET[2]
 
 
 @needs_dsl

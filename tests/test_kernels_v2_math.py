@@ -449,6 +449,43 @@ def test_role2_pass_width_follows_the_rows_per_expert():
   assert (fused.nt_max, fused.ctas) == (8, 1)
 
 
+def _kpair_order(n_tiles: int, per_bar: int) -> list[int]:
+  """The K128 tiles in the order warps 0-3 of a `kpair` pass add their blocks (`_cpasync_mainloop`): after each
+  barrier the other half's tiles of the step before (`_kpair_add`), then their own; after the loop the last step's."""
+  steps = n_tiles // 2 // per_bar
+  order = []
+  for kq in range(steps):
+    if kq:
+      order += [r2.kpair_tile((kq - 1) * per_bar + r, 1, per_bar) for r in range(per_bar)]
+    order += [r2.kpair_tile(kq * per_bar + q, 0, per_bar) for q in range(per_bar)]
+  return order + [r2.kpair_tile((steps - 1) * per_bar + r, 1, per_bar) for r in range(per_bar)]
+
+
+def test_kpair_tiles_reach_the_accumulators_in_k_order(monkeypatch):
+  """`GCMOE_ABLATION=kpair`: warps 0-3 add every K128 tile of the GEMM2 item once, in increasing K, whether the
+  stages meet at a barrier every one or two; the build has it in the one-GPU variants of 16-row passes whose GEMM2
+  K is an even number of tiles, without the shared expert, with a stage's room left for the warps' p."""
+  from gcmoe_jax.kernels.build import Variant
+  for n_tiles in range(2, 41, 2):
+    for per_bar in (1, 2):
+      if (n_tiles // 2) % per_bar == 0:
+        assert _kpair_order(n_tiles, per_bar) == list(range(n_tiles)), (n_tiles, per_bar)
+  assert _kpair_order(4, 1) == [0, 1, 2, 3] and r2.kpair_tile(1, 1, 2) == 3  # stage 1 of a pair: tiles 1 and 3
+  glm, dsv, small = Variant(6144, 2048, 32, 8, 8), Variant(5120, 2304, 48, 6, 16), Variant(512, 256, 8, 4, 16)
+  assert not any(r2.RoleKernelsV2(v).kpair for v in (glm, dsv, small))  # only the kpair build
+  monkeypatch.setenv("GCMOE_ABLATION", "kpair")
+  for v in (glm, dsv, small):
+    kern = r2.RoleKernelsV2(v)
+    assert kern.kpair and kern.nt_max <= r2.SPLIT_DECODE_NT, v
+    p_room = 2 * 2 * (r2.WARPS // 2) * r2.KPAIR_P_BYTES  # two sets of two stages' p of warps 4-7
+    assert (r2.stages(1, kern.pipe_bytes) - 1) * r2.stage_bytes(1) + p_room <= kern.pipe_bytes
+  for v in (dataclasses.replace(glm, capacity=64), dataclasses.replace(small, intermediate=384),
+            dataclasses.replace(glm, ranks=2), dataclasses.replace(glm, shared_intermediate=2048, shared_group=128)):
+    # 32-row passes; three GEMM2 K tiles; the fused transport; the shared expert (its registers)
+    assert not r2.RoleKernelsV2(v).kpair, v
+  assert not r2.RoleKernelsV2(glm, "sm_120a").kpair
+
+
 def test_shared_expert_smem_fits_the_pipeline_area_and_sm120():
   """The shared-expert items run in the pipeline's SMEM (sm_90a) and within SM120's per-CTA budget; the one-CTA
   sm_90a variants take token groups of two n-tiles, the others one."""

@@ -144,7 +144,8 @@ CTL_TABLES = CTL_TL + 4
 # where the claim first saw the closed queue (the CTA then fills the expert table).
 CTL_HITS, CTL_FILL = CTL_TABLES + 16, CTL_TABLES + 20
 CTL_SCANNED = CTL_FILL + 4  # 1 where this call's routes were listed by the CTA itself (`_scan_routes`)
-assert CTL_SCANNED + 4 <= CTRL_BYTES
+CTL_KPAIR = CTL_SCANNED + 4  # 1 where this call's GEMM2 items are `kpair` items (read per item, not kept)
+assert CTL_KPAIR + 4 <= CTRL_BYTES
 # A stage starts 1024-aligned: TMA's 64-byte swizzle is a function of the SMEM address bits 7-8, so the tile lands
 # in the layout `_weight_words` reads (16 B chunk c of row r at c ^ ((r >> 1) & 3)) only from a 512-aligned base.
 STAGE_ALIGN = 1024
@@ -171,6 +172,11 @@ SIGN_SELECT = 0x0000FF00  # prmt table whose byte 1 is 0xFF: a selector nibble o
 POS2_LO, POS2_HI = 0x06040200, 0x18100C08
 SPLIT_DECODE_NT = 2
 PAIRED_BARRIER_NT = 2  # passes of at most this many n-tiles meet at a CTA barrier every two K128 stages
+# Under `GCMOE_ABLATION=kpair` (`RoleKernelsV2.kpair`) calls of up to this many tokens, whose experts all hold at most
+# this many rows, take their routed GEMM2 items in 64 rows with K split between warp pairs (docs/kernels_v2.md "Item
+# balance").
+KPAIR_TOKENS = 2
+KPAIR_P_BYTES = 32 * 16  # a warp's p of one stage in a `kpair` pass: four blocks' p per lane, one 16 B store
 DECODE_TABLES = (POS2_LO, NEG_LO, POS_LO, SIGN_SELECT)  # the table words `_stage` reads from `CTL_TABLES`
 # The B columns of the one- and two-row bodies (`_stage`): column n is read by lane group g = n. One row: planes
 # 0, 1, 0, 1, 2, 2, 2, 2, so lanes t4 = 0 and 1 hold S0, S1 of rows g and g + 8 and t4 = 2, 3 hold S2. Two rows: slot
@@ -261,6 +267,15 @@ def stages(nt: int, pipe_bytes: int, token_stride: int = TOKEN_STRIDE, w_bytes: 
   return min(MAX_STAGES, pipe_bytes // stage_bytes(nt, token_stride, w_bytes))
 
 
+def kpair_tile(kb, half, per_bar: int):
+  """The K128 tile that ``half`` of stage ``kb`` of a `RoleKernelsV2.kpair` pass holds (0: the rows of warps 0-3,
+  which accumulate; 1: those of warps 4-7, which hand each block's p to them), the stages meeting at a CTA barrier
+  every ``per_bar``: between two barriers warps 0-3 run tiles 2 per_bar q .. 2 per_bar q + per_bar - 1, warps 4-7 the
+  per_bar tiles after them, whose p warps 0-3 add after the next barrier, so every row takes its blocks in
+  increasing K (`tests/test_kernels_v2_math.py::test_kpair_tiles_reach_the_accumulators_in_k_order`)."""
+  return 2 * per_bar * (kb // per_bar) + kb % per_bar + per_bar * half
+
+
 # ---- PTX helpers (SMEM addresses are 32-bit shared-window addresses) ----------------------------------------------
 
 
@@ -271,6 +286,16 @@ def _lds(addr) -> Int32:
 def _lds2(addr):
   return cute.arch.inline_ptx("ld.shared.v2.u32 {{$w0}, {$w1}}, [{$r0}];", write_only_types=[Int32] * 2,
                               read_only_args=[addr])
+
+
+def _lds4(addr):
+  return cute.arch.inline_ptx("ld.shared.v4.u32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];", write_only_types=[Int32] * 4,
+                              read_only_args=[addr])
+
+
+def _sts4(addr, w0, w1, w2, w3) -> None:
+  cute.arch.inline_ptx("st.shared.v4.u32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
+                       read_only_args=[addr, Int32(w0), Int32(w1), Int32(w2), Int32(w3)])
 
 
 def _lds64(addr) -> Int64:
@@ -590,9 +615,16 @@ def _scaled_add(fast: bool, df, xw, wb, acc):
   byte): the fast path's exact scaled FMA, or the slow path's two-step scaling with NaN blocks (`_stage`)."""
   if fast:
     return _fma(df, xw + (wb << v1.F32_MANT_BITS), acc)
+  return v1._fadd(acc, _scaled_p(False, df, xw, wb))
+
+
+def _scaled_p(fast: bool, df, xw, wb):
+  """The block's p = ``df * 2**n`` that `_scaled_add` adds (a `RoleKernelsV2.kpair` pass hands it between warps). On
+  the fast path the product is exact and normal, so ``fadd(acc, p)`` has the bits of `_scaled_add`'s FMA."""
+  if fast:
+    return v1._fmul(df, xw + (wb << v1.F32_MANT_BITS))
   p = v1._scale_pow2(df, (xw >> v1.F32_MANT_BITS) + wb - v1.F32_BIAS)
-  p = cutlass.select_(xw == abi.NAN_WORD, Int32(v1.F32_QNAN), p)
-  return v1._fadd(acc, p)
+  return cutlass.select_(xw == abi.NAN_WORD, Int32(v1.F32_QNAN), p)
 
 
 def _split_mma(a_pos, a_neg, b):
@@ -601,13 +633,18 @@ def _split_mma(a_pos, a_neg, b):
   return _mma_s8(a_neg, b, _mma_s8(a_pos, b, zero4))
 
 
-def _row_update(fast: bool, s0, s1, s2, xw, scale_word, s: int, acc):
+def _row_update(fast: bool, s0, s1, s2, xw, scale_word, s: int, acc, pv=None, at: int = 0):
   """``acc`` after block ``s`` of one (row, token) from its three plane sums: f32(D) by the magic conversion, then
-  `_scaled_add` (`_stage`; the row's weight scale is byte ``s`` of ``scale_word``)."""
+  `_scaled_add` (`_stage`; the row's weight scale is byte ``s`` of ``scale_word``). With ``pv`` (a `kpair` pass) the
+  block's p goes to ``pv[at]`` too and is added by ``fadd`` (the same bits)."""
   tf = v1._fadd(s0 + s1 * (1 << abi.DIGIT_BITS) + MAGIC, MAGIC_NEG)
   sf = v1._fadd(s2 + MAGIC, MAGIC_NEG)
   df = _fma(sf, F32_4096, tf)
-  return _scaled_add(fast, df, xw, _scale_byte(scale_word, s), acc)
+  if pv is None:
+    return _scaled_add(fast, df, xw, _scale_byte(scale_word, s), acc)
+  p = _scaled_p(fast, df, xw, _scale_byte(scale_word, s))
+  pv[at] = p
+  return v1._fadd(acc, p)
 
 
 def _shfl_xor(v, off: int) -> Int32:
@@ -839,6 +876,12 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # the shared expert's code ptxas spilled 88 B at the two-CTA cap); `GCMOE_ABLATION=stagetest`: a test per stage,
     # for A/B timing (results exact).
     self.pair_test = not self.qmma and not v.shared and self.ablation not in ("stagetest", "nomath")
+    # GEMM2 items of 64 rows with K split between warp pairs at calls of up to `KPAIR_TOKENS` tokens (each expert up
+    # to that many rows: the one- and two-row bodies): `GCMOE_ABLATION=kpair`, built to be checked and timed on a
+    # GPU (docs/kernels_v2.md "Item balance"; its results should be exact). The routed variants of 16-row passes
+    # whose GEMM2 K is an even number of K128 tiles (with the shared expert ptxas spilled 256 B at the two-CTA cap).
+    self.kpair = (self.ablation == "kpair" and self.single and self.nt_max <= SPLIT_DECODE_NT and not self.fused
+                  and not v.shared and (v.intermediate // v1.K128) % 2 == 0)
     # Role 2's queue order (`abi.item_order`): the shared expert's items first at up to 32 tokens, else the routed.
     self.item_order = abi.item_order(v.capacity, self.ablation)
     self.rcap = v.capacity * v.ranks
@@ -888,6 +931,11 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       self.pipe_bytes = n * stage_bytes(self.nt_max, self.token_stride, self.w_bytes)
     else:
       self.pipe_bytes = PIPE_AREA[self.ctas - 1] // stage_bytes(self.nt_max) * stage_bytes(self.nt_max)
+    if self.kpair:  # a kpair pass gives up one of its stages to the warps' p (`_cpasync_mainloop`)
+      n = stages(1, self.pipe_bytes)
+      if n < 3 or (n - 1) * stage_bytes(1) + 2 * 2 * (WARPS // 2) * KPAIR_P_BYTES > self.pipe_bytes:
+        raise ValueError(f"roles_v2: {variant.key}: a kpair pass needs 3 stages of {stage_bytes(1)} B and the warps' "
+                         f"p in {self.pipe_bytes} B")
 
   def tensormaps(self) -> list[dict[str, int | str]]:
     """Role 2's TensorMaps, in formal order after the ABI's (`abi.ROLE2_TENSORMAPS`): the W13 and W2 weight tiles.
@@ -1420,6 +1468,14 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     n_hit = _lds(ctl + 4)
     if cutlass.const_expr(self.fused):
       n_hit = _lds(ctl + CTL_HITS)
+    if cutlass.const_expr(self.kpair):
+      # GEMM2 items of 64 rows (`kpair`) where every expert hit holds at most `KPAIR_TOKENS` rows.
+      if tid == 0:
+        kp = cutlass.select_(n_tok <= KPAIR_TOKENS, Int32(1), Int32(0))
+        for h in range(n_hit):
+          if _lds(table + _lds(table + (v.experts + h) * 4) * 4) > KPAIR_TOKENS:
+            kp = Int32(0)
+        _sts(ctl + CTL_KPAIR, kp)
     cute.arch.sync_threads()
     if cutlass.const_expr(self.timeline):
       if tid == 0:
@@ -1429,7 +1485,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # tiles), and with the shared expert its GEMM1 column blocks (n_s1) and GEMM2 column blocks (n_s2, each after
     # its token group's GEMM1 blocks).
     n1 = n_hit * self.j1
-    n2 = n_hit * (0 if cutlass.const_expr(self.ablation == "nogemm2") else self.j2)
+    if cutlass.const_expr(self.kpair):
+      n2 = n_hit * self._per2(ctl)
+    else:
+      n2 = n_hit * (0 if cutlass.const_expr(self.ablation == "nogemm2") else self.j2)
     n_s1 = Int32(0)
     n_s2 = Int32(0)
     n_tg, per_cb = self._shared_groups(n_tok)
@@ -1488,7 +1547,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         if routed:
           g2 = it >= n1
           it = cutlass.select_(g2, it - n1, it)
-          per = cutlass.select_(g2, Int32(self.j2), Int32(self.j1))
+          if cutlass.const_expr(self.kpair):
+            per = cutlass.select_(g2, self._per2(ctl), Int32(self.j1))
+          else:
+            per = cutlass.select_(g2, Int32(self.j2), Int32(self.j1))
           h = it // per
           j = it - h * per
           e = _lds(table + (v.experts + h) * 4)
@@ -1503,8 +1565,12 @@ class RoleKernelsV2(v1.RoleKernelsV1):
             else:
               if cutlass.const_expr(self.timeline):
                 self._tl_item(wsb, cur, bid, ctl, item, 1)
-              self._item(True, e, j, count, route_weights.toint(), w2.toint(), w2_scale.toint(), wsb, c_bits,
-                         cur, ctl, pipe, tmap_w2)
+              if cutlass.const_expr(self.kpair):
+                self._item(True, e, j, count, route_weights.toint(), w2.toint(), w2_scale.toint(), wsb, c_bits,
+                           cur, ctl, pipe, tmap_w2, _lds(ctl + CTL_KPAIR))
+              else:
+                self._item(True, e, j, count, route_weights.toint(), w2.toint(), w2_scale.toint(), wsb, c_bits,
+                           cur, ctl, pipe, tmap_w2)
               if cutlass.const_expr(self.relay):  # the copiers follow each expert's GEMM2 items done
                 self._count_done(counters, self.relay_base + e)
           else:
@@ -1548,6 +1614,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       # Role 3 may run beside this kernel (`abi.FINALIZE_EARLY_TOKENS`), or this kernel's combining CTAs do its work
       # (`abi.TOKENS_SOLO`): either waits for every item CTA's count.
       self._count_done(counters, abi.role2_done(v.experts, v.capacity, v.shared, v.ranks, v.relay))
+
+  def _per2(self, ctl: Int32) -> Int32:
+    """GEMM2 items per expert hit in this call: `kpair` items of 64 rows where `CTL_KPAIR` says so."""
+    return cutlass.select_(_lds(ctl + CTL_KPAIR) != 0, Int32(2 * self.j2), Int32(self.j2))
 
   def _solo_ctas(self, tokens: Int32) -> Int32:
     """The combining CTAs where role 2 runs alone with ``tokens`` tokens: one per token and block of
@@ -2361,12 +2431,20 @@ class RoleKernelsV2(v1.RoleKernelsV1):
 
   @cute.jit
   def _item(self, g2: cutlass.Constexpr, e: Int32, j: Int32, count: Int32, rwb: Int64, pw: Int64, psc: Int64,
-            wsb: Int64, c_bits: Int32, cur: Int32, ctl: Int32, pipe: Int32, tmap: Int64):
+            wsb: Int64, c_bits: Int32, cur: Int32, ctl: Int32, pipe: Int32, tmap: Int64, kp=None):
     """One GEMM1 (g2 False) or GEMM2 item: the expert's rows in passes of up to 8 `nt_max` rows (`_chunk`), each
     pass in the body of the fewest n-tiles that hold its rows (1, 2, 3, 4, 6 or 8: the 3 and 6 bodies spare a
     quarter of the MMAs and epilogue of passes of 17-24 and 33-48 rows, the usual ones at B = 64 and 128;
     `odd_bodies`)."""
-    for n0 in range(0, count, 8 * self.nt_max):
+    n_end = count
+    if cutlass.const_expr(kp is not None):
+      if kp != 0:  # (`kpair`: 64 rows j of a GEMM2 item, its one or two rows in one pass)
+        if count == 1:
+          self._chunk(g2, 1, e, j, Int32(0), count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap, 1, True)
+        else:
+          self._chunk(g2, 1, e, j, Int32(0), count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap, 2, True)
+        n_end = Int32(0)
+    for n0 in range(0, n_end, 8 * self.nt_max):
       rem = cutlass.min(count - n0, 8 * self.nt_max)
       if rem <= 8:
         if cutlass.const_expr(self.single):
@@ -2405,9 +2483,11 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   @cute.jit
   def _chunk(self, g2: cutlass.Constexpr, nt: cutlass.Constexpr, e: Int32, j: Int32, n0: Int32, count: Int32,
              rwb: Int64, pw: Int64, psc: Int64, wsb: Int64, c_bits: Int32, cur: Int32, ctl: Int32, pipe: Int32,
-             tmap: Int64, single: cutlass.Constexpr = False):
+             tmap: Int64, single: cutlass.Constexpr = False, kpair: cutlass.Constexpr = False):
     """One pass of up to 8 ``nt`` rows of the item (``single``: exactly one row, `_stage`'s plane-column body; a
-    1-tile pass of two rows takes `_stage`'s two-row body at run time, one of three or four its four-row body)."""
+    1-tile pass of two rows takes `_stage`'s two-row body at run time, one of three or four its four-row body).
+    ``kpair`` (`RoleKernelsV2.kpair`): rows 64 j .. 64 j + 63 of a GEMM2 item with ``single`` (1 or 2) rows, K split
+    between warps w and w + 4 (`_cpasync_mainloop`)."""
     v, ws = self.v, self.ws
     tid, _, _ = cute.arch.thread_idx()
     warp, lane, g, t4 = _lanes()
@@ -2430,6 +2510,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     pw_e = pw + Int64(e) * (kb_n * n_rows * v1.FP4_TILE_BYTES)
     psc_e = psc + Int64(e) * (n_rows * kb_n * v1.WORD_BYTES)
     row0 = j * TILE_M
+    if cutlass.const_expr(kpair):
+      n_st = n_st - 1  # the last stage's room holds the warps' p (`_cpasync_mainloop`)
+      row0 = j * (TILE_M // 2)
 
     # Slot table: the B operand's source row (token for GEMM1, assignment for GEMM2; -1 = padding); whether any
     # row of the chunk is flagged for the slow path.
@@ -2507,19 +2590,25 @@ class RoleKernelsV2(v1.RoleKernelsV1):
               acc[c] = moved[c]
       else:
         self._cpasync_mainloop(nt, n_st, st_bytes, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl, pipe,
-                               rows_fast, acc, single)
-      if cutlass.const_expr(single):
+                               rows_fast, acc, single, kpair=kpair)
+      if cutlass.const_expr(single == 1):
         acc[2] = _shfl_xor(acc[0], 1)  # row g + 8 was accumulated by lane t4 = 1 (`_stage`)
+      elif cutlass.const_expr(single == 2):
+        for c in cutlass.range_constexpr(1, 4):  # (slot c % 2, row g + 8 (c // 2)) was lane t4 = c's (`_stage`)
+          acc[c] = _shfl_xor(acc[0], c)
 
     # ---- epilogue ---------------------------------------------------------------------------------------------
     if cutlass.const_expr(g2 and self.fused and not self.relay):
       self._return_rows(nt, n0, count, row0, acc, wsb, cur, ctl)
     elif cutlass.const_expr(g2):
       out = wsb + (ws.relay_arena if self.relay else ws.arena)  # relay: parked position-major for the copiers
+      n_out = count
+      if cutlass.const_expr(kpair):
+        n_out = cutlass.select_(warp < WARPS // 2, count, Int32(0))  # (warps 4-7 handed their p to warps 0-3)
       for i in cutlass.range_constexpr(nt):
         for c in cutlass.range_constexpr(4):
           slot = 8 * i + 2 * t4 + c % 2
-          if n0 + slot < count:
+          if n0 + slot < n_out:
             asg = _lds(ctl + CTL_SLOT_ASG + slot * 4)
             h = row0 + 16 * warp + g + 8 * (c // 2)
             v1._st_bf16(out + (Int64(asg) * v.hidden + h) * v1.BF16_BYTES, v1._bf16_rne(acc[4 * i + c]))
@@ -2812,55 +2901,98 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   def _cpasync_mainloop(self, nt: cutlass.Constexpr, n_st: cutlass.Constexpr, st_bytes: cutlass.Constexpr,
                         pw_e: Int64, psc_e: Int64, row0: Int32, n_rows: cutlass.Constexpr, kb_n: cutlass.Constexpr,
                         nblk: cutlass.Constexpr, planes: Int64, exps: Int64, ctl: Int32, pipe: Int32,
-                        rows_fast: Int32, acc: cute.Tensor, single: cutlass.Constexpr = False, pair=None):
+                        rows_fast: Int32, acc: cute.Tensor, single: cutlass.Constexpr = False, pair=None,
+                        kpair: cutlass.Constexpr = False):
     """The K loop of the per-thread producer (sm_90a): every thread issues cp.async copies of the stages ahead and
     the CTA meets at a barrier per stage, or per two stages in narrow passes (``single``: a one-row pass, whose
     padding slots are never read, so only slot 0's B rows are copied; ``pair``: 2 for a pass of two rows, 4 for
-    one of three or four, see `_stage`)."""
+    one of three or four, see `_stage`).
+
+    ``kpair`` (`RoleKernelsV2.kpair`, a pass of ``single`` = 1 or 2 rows): a stage holds the item's 64 rows of two
+    K128 tiles (`kpair_tile`), the first as rows 0-63 of the tile and B slots 0-3, the second as rows 64-127 and
+    slots 4-7; warps 0-3 accumulate theirs, warps 4-7 store each block's p to the room after the last stage, and
+    after the next barrier warps 0-3 add those in block order (`_kpair_add`)."""
     slots = 8 * nt
     n_copy = 1 if cutlass.const_expr(single) else slots
+    if cutlass.const_expr(kpair):
+      n_copy = single
+    n_kb = kb_n // 2 if cutlass.const_expr(kpair) else kb_n  # stages
     tabs = ctl if cutlass.const_expr(self.smem_tables) else None
     # Narrow passes meet at a barrier every TWO stages (`PAIRED_BARRIER_NT`): their stages are short (a one-row
     # stage is ~150 instructions per warp), and at GLM5.2 B = 1 the per-stage barrier was the largest stall reason
     # (19.5 % of role 2's samples, docs/kernels_v2.md). The copies run one stage less ahead for it, and n_st >= 6
     # keeps the wait below at n_st - 4 >= 2 stages in flight.
-    per_bar = 2 if cutlass.const_expr(self.paired_barrier and nt <= PAIRED_BARRIER_NT and kb_n % 2 == 0
+    per_bar = 2 if cutlass.const_expr(self.paired_barrier and nt <= PAIRED_BARRIER_NT and n_kb % 2 == 0
                                       and n_st >= 6) else 1
+    pbuf = pipe + n_st * st_bytes  # (`kpair`: the warps' p, two sets by barrier step)
+    p_set = WARPS // 2 * per_bar * KPAIR_P_BYTES
     for s in cutlass.range_constexpr(n_st - per_bar):
-      if s < kb_n:
-        self._issue(s, pipe + s * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl, n_copy)
+      if s < n_kb:
+        if cutlass.const_expr(kpair):
+          self._issue_kpair(s, per_bar, pipe + s * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes,
+                            exps, ctl, n_copy)
+        else:
+          self._issue(s, pipe + s * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl,
+                      n_copy)
       _commit()
-    for kq in range(kb_n // per_bar):
+    for kq in range(n_kb // per_bar):
       kb = kq * per_bar
       _wait_group(n_st - 2 * per_bar)  # stages kb .. kb + per_bar - 1 have landed (this thread's copies)
       cute.arch.sync_threads()  # ... everyone's, and every warp is done with the stages the next copies overwrite
+      if cutlass.const_expr(kpair):
+        if kq > 0:
+          self._kpair_add(acc, pbuf + ((kq - 1) % 2) * p_set, per_bar)
       for q in cutlass.range_constexpr(per_bar):
         nk = kb + n_st - per_bar + q
-        if nk < kb_n:
-          self._issue(nk, pipe + (nk % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes,
-                      exps, ctl, n_copy)
+        if nk < n_kb:
+          if cutlass.const_expr(kpair):
+            self._issue_kpair(nk, per_bar, pipe + (nk % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n,
+                              nblk, planes, exps, ctl, n_copy)
+          else:
+            self._issue(nk, pipe + (nk % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes,
+                        exps, ctl, n_copy)
         _commit()
+      p_out = pbuf + (kq % 2) * p_set if cutlass.const_expr(kpair) else None
       if cutlass.const_expr(per_bar == 2 and self.pair_test):
         self._compute(nt, (pipe + (kb % n_st) * st_bytes, pipe + ((kb + 1) % n_st) * st_bytes), rows_fast, acc,
-                      single, tabs, pair)
+                      single, tabs, pair, p_out)
       else:
         for q in cutlass.range_constexpr(per_bar):
-          self._compute(nt, (pipe + ((kb + q) % n_st) * st_bytes,), rows_fast, acc, single, tabs, pair)
+          self._compute(nt, (pipe + ((kb + q) % n_st) * st_bytes,), rows_fast, acc, single, tabs, pair,
+                        None if cutlass.const_expr(not kpair) else p_out + q * KPAIR_P_BYTES, per_bar)
     _wait_group(0)
     cute.arch.sync_threads()  # the pipeline area is free: the epilogue reuses it
+    if cutlass.const_expr(kpair):
+      self._kpair_add(acc, pbuf + ((n_kb // per_bar - 1) % 2) * p_set, per_bar)
+
+  @cute.jit
+  def _kpair_add(self, acc: cute.Tensor, pset: Int32, per_bar: cutlass.Constexpr):
+    """Warps 0-3 of a `kpair` pass: ``acc[0] += p`` of the blocks warp w + 4 computed between the last two barriers,
+    stage by stage and block by block (in increasing K: `kpair_tile`); the same lane held the same (row, slot)."""
+    warp, lane, _, _ = _lanes()
+    if warp < WARPS // 2:
+      for r in cutlass.range_constexpr(per_bar):
+        p = _lds4(pset + (warp * per_bar + r) * KPAIR_P_BYTES + lane * 16)
+        for s in cutlass.range_constexpr(v1.SUBS):
+          acc[0] = v1._fadd(acc[0], p[s])
 
   @cute.jit
   def _compute(self, nt: cutlass.Constexpr, sbs, rows_fast: Int32, acc: cute.Tensor,
-               single: cutlass.Constexpr = False, ctl=None, pair=None):
+               single: cutlass.Constexpr = False, ctl=None, pair=None, p_out=None, per_bar: cutlass.Constexpr = 0):
     """The MMAs of the stages at ``sbs`` (one, or the two between paired barriers with `pair_test`): this thread's
     rows' scale words, then the fast or the slow path of `_stage` (``pair`` 2 or 4: its two- or four-row body), the
     fast one only where every thread of the warp may take it.
     Two stages take ONE fast-path test (fast where both stages' scale bytes allow it, else both slow: the same bits,
     `_stage`) and one choice of body, so that both bodies lie in one basic block and ptxas may overlap the second
-    stage's loads, decode and MMAs with the first's epilogue."""
+    stage's loads, decode and MMAs with the first's epilogue.
+    ``p_out`` (a `kpair` pass): where warps 4-7 store their blocks' p of these stages (stage r of the call at
+    ``p_out`` + (w - 4) ``per_bar`` x 512 + r x 512, ``per_bar`` 0: the call's own count of stages)."""
     warp, lane, g, t4 = _lanes()
     scws = tuple((_lds(sb + self.w_bytes + (16 * warp + g) * 4), _lds(sb + self.w_bytes + (16 * warp + g + 8) * 4))
                  for sb in sbs)
+    pv = None
+    if cutlass.const_expr(p_out is not None):
+      pv = cute.make_rmem_tensor(v1.SUBS * len(sbs), Int32)
     if cutlass.const_expr(self.ablation == "nomath"):
       for i in cutlass.range_constexpr(len(scws)):
         acc[0] = acc[0] + scws[i][0] + scws[i][1]  # keeps the scale loads; no decode, MMA or epilogue
@@ -2874,13 +3006,19 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       if _warp_any((rows_fast == 0) | ((bits & SCALE_BYTE_BITS) != SCALE_BYTE_BITS)) == 0:
         # (a warp's vote: each thread tests its own rows, and the bodies hold mma.sync.aligned, which the whole warp
         # must run together; the slow body gives the fast one's bits wherever both apply)
-        self._stage_body(True, nt, sbs, scws, acc, single, ctl, pair)
+        self._stage_body(True, nt, sbs, scws, acc, single, ctl, pair, pv)
       else:
-        self._stage_body(False, nt, sbs, scws, acc, single, ctl, pair)
+        self._stage_body(False, nt, sbs, scws, acc, single, ctl, pair, pv)
+    if cutlass.const_expr(p_out is not None):
+      if warp >= WARPS // 2:
+        stride = (per_bar if per_bar else len(sbs)) * KPAIR_P_BYTES
+        for r in cutlass.range_constexpr(len(sbs)):
+          _sts4(p_out + (warp - WARPS // 2) * stride + r * KPAIR_P_BYTES + lane * 16,
+                *(pv[v1.SUBS * r + s] for s in range(v1.SUBS)))
 
   @cute.jit
   def _stage_body(self, fast: cutlass.Constexpr, nt: cutlass.Constexpr, sbs, scws, acc: cute.Tensor,
-                  single: cutlass.Constexpr, ctl, pair):
+                  single: cutlass.Constexpr, ctl, pair, pv=None):
     """`_stage` of each stage at ``sbs`` in its two-row body when ``pair`` (run time) is 2, its four-row body when
     4, else in the pass's own: one choice for all of them."""
     if cutlass.const_expr(pair is not None):
@@ -2894,16 +3032,19 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       else:
         self._stages(fast, nt, sbs, scws, acc, single, ctl)
     else:
-      self._stages(fast, nt, sbs, scws, acc, single, ctl)
+      self._stages(fast, nt, sbs, scws, acc, single, ctl, pv)
 
-  def _stages(self, fast: bool, nt: int, sbs, scws, acc: cute.Tensor, single: int, ctl) -> None:
+  def _stages(self, fast: bool, nt: int, sbs, scws, acc: cute.Tensor, single: int, ctl, pv=None) -> None:
     """`_stage` of each stage at ``sbs`` in turn, in one body (traced, so the calls are inlined in order)."""
-    for sb, scw in zip(sbs, scws):
-      self._stage(fast, nt, sb, scw, acc, single, ctl)
+    for r, (sb, scw) in enumerate(zip(sbs, scws)):
+      if pv is None:
+        self._stage(fast, nt, sb, scw, acc, single, ctl)
+      else:
+        self._stage(fast, nt, sb, scw, acc, single, ctl, pv, v1.SUBS * r)
 
   @cute.jit
   def _stage(self, fast: cutlass.Constexpr, nt: cutlass.Constexpr, sb: Int32, scw, acc: cute.Tensor,
-             single: cutlass.Constexpr = 0, ctl=None):
+             single: cutlass.Constexpr = 0, ctl=None, pv=None, p0: cutlass.Constexpr = 0):
     """The MMAs and the exact epilogue of one K128 stage: ``acc += f32(D_b) * 2**n_b`` for its four K32 blocks.
 
     D = S0 + 2**6 S1 + 2**12 S2 comes out of a chain of three MMAs: S1; T + MAGIC = A B0 + (64 S1 + MAGIC);
@@ -2921,12 +3062,17 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     epilogues never read (their slots are padding). ``single`` = 2: a pass of two rows in the same way, each lane
     of a quad one (slot, row) (`PLANE_COLUMNS`, `PAIR_SLOT_COLUMNS`). ``single`` = 4: a pass of three or four rows
     in two n-tiles' columns, lane t4 the two rows of slot t4 (`QUAD_SLOT_COLUMNS`). ``ctl``: the control area, whose
-    `CTL_TABLES` the decode reads; None: the tables as immediates.
+    `CTL_TABLES` the decode reads; None: the tables as immediates. ``pv`` (a `kpair` pass, ``single`` 1 or 2): each
+    block's p also to ``pv[p0 + s]``, the B operand of warps 4-7 from slots 4-7 (`_cpasync_mainloop`).
     """
     warp, lane, g, t4 = _lanes()
     slots = 8 * nt
     xe_off = W_BYTES + SC_BYTES
     xp_off = xe_off + slots * 16
+    if cutlass.const_expr(pv is not None):
+      half = warp // (WARPS // 2)
+      xe_off = xe_off + half * (4 * 16)
+      xp_off = xp_off + half * (4 * TOKEN_STRIDE)
     magic4 = (Int32(MAGIC), Int32(MAGIC), Int32(MAGIC), Int32(MAGIC))
     zero4 = (Int32(0), Int32(0), Int32(0), Int32(0))
     words = _weight_words(sb, warp, lane)
@@ -2994,7 +3140,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         s2 = _shfl_xor(cutlass.select_(t4 == 3, r[2], r[0]), 2)  # t4 = 0 <- S2 (row g), t4 = 1 <- S2 (row g + 8)
         s0 = cutlass.select_(upper, r[2], r[0])
         s1 = cutlass.select_(upper, r[3], r[1])
-        acc[0] = _row_update(fast, s0, s1, s2, xw, scw_row, s, acc[0])
+        acc[0] = _row_update(fast, s0, s1, s2, xw, scw_row, s, acc[0], pv, p0 + s)
     elif cutlass.const_expr(single == 2):
       # Columns 0, 1 hold planes 0, 1 of slot 0, columns 2, 3 those of slot 1, 4-5 plane 2 of slot 0 and 6-7 that of
       # slot 1. Each lane of a quad takes one (slot, row): t4 = 0 (0, g), 1 (1, g), 2 (0, g + 8), 3 (1, g + 8); two
@@ -3014,7 +3160,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         s0 = cutlass.select_(lo, r[0], x)
         s1 = cutlass.select_(lo, r[1], y)
         s2 = cutlass.select_(lo, x, r[2])
-        acc[0] = _row_update(fast, s0, s1, s2, xw, scw_row, s, acc[0])
+        acc[0] = _row_update(fast, s0, s1, s2, xw, scw_row, s, acc[0], pv, p0 + s)
     elif cutlass.const_expr(single == 4):
       # Slots 0-3 (`QUAD_SLOT_COLUMNS`): per block a split-decode MMA pair on X (planes 0, 1) and one on Y (plane 2),
       # after which lane t4 runs the epilogue of (slot t4, row g) into acc[0] and (slot t4, row g + 8) into acc[1]:
@@ -3121,6 +3267,45 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         else:
           src = planes + (Int64(cutlass.max(src_row, 0)) * nblk + 4 * kb) * BLOCK_BYTES + qq * 16
         _cp16(dst, src, cutlass.select_(src_row >= 0, Int32(16), Int32(0)))
+
+
+  @cute.jit
+  def _issue_kpair(self, kb: Int32, per_bar: cutlass.Constexpr, sb: Int32, slots: cutlass.Constexpr, pw_e: Int64,
+                   psc_e: Int64, row0: Int32, n_rows: cutlass.Constexpr, kb_n: cutlass.Constexpr,
+                   nblk: cutlass.Constexpr, planes: Int64, exps: Int64, ctl: Int32, n_copy: cutlass.Constexpr):
+    """`_issue` of stage ``kb`` of a `kpair` pass: rows row0 .. row0 + 63 of K128 tile `kpair_tile` (kb, 0) as the
+    stage's rows 0-63 and B slots 0 .. n_copy - 1, of tile (kb, 1) as rows 64-127 and slots 4 .. 3 + n_copy."""
+    tid, _, _ = cute.arch.thread_idx()
+    half_rows = TILE_M // 2
+    for i in cutlass.range_constexpr(W_BYTES // 16 // THREADS):
+      c = tid + i * THREADS
+      row = c // 4
+      col = c % 4
+      kt = kpair_tile(kb, row // half_rows, per_bar)
+      src = pw_e + (Int64(kt) * n_rows + row0 + row % half_rows) * v1.FP4_TILE_BYTES + col * 16
+      _cp16(sb + row * 64 + ((col ^ ((row // 2) % 4)) << 4), src, Int32(16))
+    if tid < TILE_M:
+      kt = kpair_tile(kb, tid // half_rows, per_bar)
+      _cp4(sb + W_BYTES + tid * 4, psc_e + (Int64(row0 + tid % half_rows) * kb_n + kt) * v1.WORD_BYTES)
+    xe_off = W_BYTES + SC_BYTES
+    xp_off = xe_off + slots * 16
+    if tid < 2 * n_copy:
+      half = tid // n_copy
+      slot = tid % n_copy
+      src_row = _lds(ctl + CTL_SLOT_SRC + slot * 4)
+      kt = kpair_tile(kb, half, per_bar)
+      _cp16(sb + xe_off + (4 * half + slot) * 16, exps + (Int64(cutlass.max(src_row, 0)) * nblk + 4 * kt) * 4,
+            cutlass.select_(src_row >= 0, Int32(16), Int32(0)))
+    per_slot = 4 * BLOCK_BYTES // 16
+    if tid < 2 * n_copy * per_slot:
+      half = tid // (n_copy * per_slot)
+      slot = (tid // per_slot) % n_copy
+      qq = tid % per_slot
+      src_row = _lds(ctl + CTL_SLOT_SRC + slot * 4)
+      kt = kpair_tile(kb, half, per_bar)
+      _cp16(sb + xp_off + (4 * half + slot) * TOKEN_STRIDE + qq * 16,
+            planes + (Int64(cutlass.max(src_row, 0)) * nblk + 4 * kt) * BLOCK_BYTES + qq * 16,
+            cutlass.select_(src_row >= 0, Int32(16), Int32(0)))
 
 
 RoleKernelsV2.role2_tc.set_name_prefix("gcmoe_role2_compute_v2", remove_cutlass_symbol=True, keep_mangled_name=False)
