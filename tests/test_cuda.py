@@ -397,42 +397,32 @@ from gcmoe_jax.bench import sweep
 from gcmoe_jax.kernels import build
 
 emulated = jax.jit(reference.moe_emulated, static_argnames=("clamp",))
-cases = []  # (name, (H, I, E, k), shared Is or None, group, ids)
 rng = np.random.default_rng(5)
-for shared, group in ((None, 128),):
-  small = (512, 256, 8, 4)
-  for t in (1, 2, 3):
-    cases.append((f"small T={t}", small, shared, group, np.argsort(rng.random((t, 8)), axis=1)[:, :4]))
-  cases.append(("small T=2, expert 0 in both", small, shared, group, np.array([[0, 1, 2, 3], [0, 4, 5, 6]])))
-  cases.append(("small T=2, expert 1 three times", small, shared, group, np.array([[1, 1, 1, 2], [3, 4, 5, 6]])))
+small = (512, 256, 8, 4)  # (H, I, E, k)
+cases = [(f"small T={t}", small, np.argsort(rng.random((t, 8)), axis=1)[:, :4]) for t in (1, 2, 3)]
+cases.append(("small T=2, expert 0 in both", small, np.array([[0, 1, 2, 3], [0, 4, 5, 6]])))
+cases.append(("small T=2, expert 1 three times", small, np.array([[1, 1, 1, 2], [3, 4, 5, 6]])))
 for model in ("glm5.2", "dsv4.1-flash"):
   s = sweep.model_shape(model)
-  shape = (s.hidden, s.intermediate, s.experts, s.top_k)
   for t in (1, 2):
     ids = np.argsort(rng.random((t, s.experts)), axis=1)[:, :s.top_k]
     ids[-1, 0] = ids[0, 0]  # at T = 2 one expert takes both tokens (the two-row body)
-    cases.append((f"{model} T={t}", shape, None, 128, ids))
-variants = {build.Variant(h, i, e, k, 8, sh, g if sh else None) for _, (h, i, e, k), sh, g, _ in cases}
+    cases.append((f"{model} T={t}", (s.hidden, s.intermediate, s.experts, s.top_k), ids))
 try:
-  for v in variants:
-    build.load_or_build("sm_90a", v)
+  for shape in {shape for _, shape, _ in cases}:
+    build.load_or_build("sm_90a", build.Variant(*shape, 8))
 except build.BuildError as e:
   print(f"MISSING: {e}")
   sys.exit(3)
 bad = 0
 weights = {}
-for name, (h, i, e, k), sh, g, ids in cases:
-  key = (h, i, e, k, sh, g)
-  if key not in weights:
-    weights.clear()
-    ks = jax.random.split(jax.random.key(h + e + (sh or 0)), 4)
-    shared = None
-    if sh:
-      shared = (jax.random.normal(ks[2], (h, 2 * sh)) / np.sqrt(h), jax.random.normal(ks[3], (sh, h)) / np.sqrt(sh))
-    weights[key] = gm.quantize_experts(jax.random.normal(ks[0], (e, h, 2 * i)) / np.sqrt(h),
-                                       jax.random.normal(ks[1], (e, i, h)) / np.sqrt(i), shared=shared,
-                                       shared_group=g)
-  w = weights[key]
+for name, (h, i, e, k), ids in cases:
+  if (h, i, e, k) not in weights:
+    weights.clear()  # one shape's weights at a time
+    k1, k2 = jax.random.split(jax.random.key(h + e))
+    weights[h, i, e, k] = gm.quantize_experts(jax.random.normal(k1, (e, h, 2 * i)) / np.sqrt(h),
+                                              jax.random.normal(k2, (e, i, h)) / np.sqrt(i))
+  w = weights[h, i, e, k]
   t = ids.shape[0]
   x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
   rw = jnp.asarray(rng.random((t, k)) + 0.1, jnp.float32)
@@ -440,7 +430,7 @@ for name, (h, i, e, k), sh, g, ids in cases:
   y = np.asarray(gm.moe(x, w, r, clamp=10.0, backend="cuda")).view(np.uint16)
   want = np.asarray(emulated(x, w, r.ids, rw, clamp=10.0)).view(np.uint16)
   same = float(np.mean(y == want))
-  print(f"{name}{' + shared g' + str(g) if sh else ''}: bit-exact share {same:.6f}")
+  print(f"{name}: bit-exact share {same:.6f}")
   bad += same != 1.0
 sys.exit(1 if bad else 0)
 """
@@ -450,9 +440,9 @@ def test_the_kpair_build_matches_the_oracle_bit_for_bit():
   """``GCMOE_ABLATION=kpair`` (docs/kernels_v2.md "Item balance": GEMM2 items of 64 rows with K split between warp
   pairs at up to 2 tokens, routed variants) gives the oracle's bits: the small shape at T = 1, 2 (one expert in both
   tokens: the two-row body) and 3 (normal items), T = 2 with an expert of three rows (normal items in that build),
-  and both paper shapes at T = 1 and 2. In a process of its own (a registered variant is
-  cached per process, whatever the build); skipped unless ``GCMOE_CUBIN_DIR`` holds that build's cubins
-  (``GCMOE_ABLATION=kpair python -m gcmoe_jax build-kernels --variant ...`` of the T8 variants)."""
+  and both paper shapes at T = 1 and 2. In a process of its own (a registered variant is cached per process,
+  whatever the build); skipped unless ``GCMOE_CUBIN_DIR`` holds that build's cubins (``GCMOE_ABLATION=kpair python
+  -m gcmoe_jax build-kernels --variant ...`` of the T8 variants)."""
   import os
   import subprocess
   import sys
