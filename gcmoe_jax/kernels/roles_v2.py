@@ -276,6 +276,11 @@ def kpair_tile(kb, half, per_bar: int):
   return 2 * per_bar * (kb // per_bar) + kb % per_bar + per_bar * half
 
 
+def _stage_tile(kb, half, per_bar: int):
+  """The K128 tile of ``half`` of stage ``kb``: ``kb`` itself, or in a `kpair` pass (``per_bar`` > 0) `kpair_tile`."""
+  return kpair_tile(kb, half, per_bar) if per_bar else kb
+
+
 # ---- PTX helpers (SMEM addresses are 32-bit shared-window addresses) ----------------------------------------------
 
 
@@ -2909,9 +2914,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     one of three or four, see `_stage`).
 
     ``kpair`` (`RoleKernelsV2.kpair`, a pass of ``single`` = 1 or 2 rows): a stage holds the item's 64 rows of two
-    K128 tiles (`kpair_tile`), the first as rows 0-63 of the tile and B slots 0-3, the second as rows 64-127 and
-    slots 4-7; warps 0-3 accumulate theirs, warps 4-7 store each block's p to the room after the last stage, and
-    after the next barrier warps 0-3 add those in block order (`_kpair_add`)."""
+    K128 tiles (`kpair_tile`, `_issue`), the first as rows 0-63 of the tile and B slots 0-3, the second as rows
+    64-127 and slots 4-7; warps 0-3 accumulate theirs, warps 4-7 store each block's p to the room after the last
+    stage, and after the next barrier warps 0-3 add those in block order (`_kpair_add`)."""
     slots = 8 * nt
     n_copy = 1 if cutlass.const_expr(single) else slots
     if cutlass.const_expr(kpair):
@@ -2924,16 +2929,13 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # keeps the wait below at n_st - 4 >= 2 stages in flight.
     per_bar = 2 if cutlass.const_expr(self.paired_barrier and nt <= PAIRED_BARRIER_NT and n_kb % 2 == 0
                                       and n_st >= 6) else 1
+    kpair_bar = per_bar if cutlass.const_expr(kpair) else 0  # (`_issue`: stages of two half tiles)
     pbuf = pipe + n_st * st_bytes  # (`kpair`: the warps' p, two sets by barrier step)
     p_set = WARPS // 2 * per_bar * KPAIR_P_BYTES
     for s in cutlass.range_constexpr(n_st - per_bar):
       if s < n_kb:
-        if cutlass.const_expr(kpair):
-          self._issue_kpair(s, per_bar, pipe + s * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes,
-                            exps, ctl, n_copy)
-        else:
-          self._issue(s, pipe + s * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl,
-                      n_copy)
+        self._issue(s, pipe + s * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl, n_copy,
+                    kpair_bar)
       _commit()
     for kq in range(n_kb // per_bar):
       kb = kq * per_bar
@@ -2945,21 +2947,17 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       for q in cutlass.range_constexpr(per_bar):
         nk = kb + n_st - per_bar + q
         if nk < n_kb:
-          if cutlass.const_expr(kpair):
-            self._issue_kpair(nk, per_bar, pipe + (nk % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n,
-                              nblk, planes, exps, ctl, n_copy)
-          else:
-            self._issue(nk, pipe + (nk % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes,
-                        exps, ctl, n_copy)
+          self._issue(nk, pipe + (nk % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes,
+                      exps, ctl, n_copy, kpair_bar)
         _commit()
       p_out = pbuf + (kq % 2) * p_set if cutlass.const_expr(kpair) else None
       if cutlass.const_expr(per_bar == 2 and self.pair_test):
         self._compute(nt, (pipe + (kb % n_st) * st_bytes, pipe + ((kb + 1) % n_st) * st_bytes), rows_fast, acc,
-                      single, tabs, pair, p_out)
+                      single, tabs, pair, p_out, 0, per_bar)
       else:
         for q in cutlass.range_constexpr(per_bar):
-          self._compute(nt, (pipe + ((kb + q) % n_st) * st_bytes,), rows_fast, acc, single, tabs, pair,
-                        None if cutlass.const_expr(not kpair) else p_out + q * KPAIR_P_BYTES, per_bar)
+          self._compute(nt, (pipe + ((kb + q) % n_st) * st_bytes,), rows_fast, acc, single, tabs, pair, p_out, q,
+                        per_bar)
     _wait_group(0)
     cute.arch.sync_threads()  # the pipeline area is free: the epilogue reuses it
     if cutlass.const_expr(kpair):
@@ -2978,15 +2976,16 @@ class RoleKernelsV2(v1.RoleKernelsV1):
 
   @cute.jit
   def _compute(self, nt: cutlass.Constexpr, sbs, rows_fast: Int32, acc: cute.Tensor,
-               single: cutlass.Constexpr = False, ctl=None, pair=None, p_out=None, per_bar: cutlass.Constexpr = 0):
+               single: cutlass.Constexpr = False, ctl=None, pair=None, p_out=None, r0: cutlass.Constexpr = 0,
+               per_bar: cutlass.Constexpr = 1):
     """The MMAs of the stages at ``sbs`` (one, or the two between paired barriers with `pair_test`): this thread's
     rows' scale words, then the fast or the slow path of `_stage` (``pair`` 2 or 4: its two- or four-row body), the
     fast one only where every thread of the warp may take it.
     Two stages take ONE fast-path test (fast where both stages' scale bytes allow it, else both slow: the same bits,
     `_stage`) and one choice of body, so that both bodies lie in one basic block and ptxas may overlap the second
     stage's loads, decode and MMAs with the first's epilogue.
-    ``p_out`` (a `kpair` pass): where warps 4-7 store their blocks' p of these stages (stage r of the call at
-    ``p_out`` + (w - 4) ``per_bar`` x 512 + r x 512, ``per_bar`` 0: the call's own count of stages)."""
+    ``p_out`` (a `kpair` pass): the set of p of this barrier step, where warp w >= 4 stores its blocks' p of stage
+    r0 + r of the step (`_kpair_add`'s layout: ``(w - 4) per_bar + r0 + r`` times `KPAIR_P_BYTES`)."""
     warp, lane, g, t4 = _lanes()
     scws = tuple((_lds(sb + self.w_bytes + (16 * warp + g) * 4), _lds(sb + self.w_bytes + (16 * warp + g + 8) * 4))
                  for sb in sbs)
@@ -3011,9 +3010,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         self._stage_body(False, nt, sbs, scws, acc, single, ctl, pair, pv)
     if cutlass.const_expr(p_out is not None):
       if warp >= WARPS // 2:
-        stride = (per_bar if per_bar else len(sbs)) * KPAIR_P_BYTES
         for r in cutlass.range_constexpr(len(sbs)):
-          _sts4(p_out + (warp - WARPS // 2) * stride + r * KPAIR_P_BYTES + lane * 16,
+          _sts4(p_out + ((warp - WARPS // 2) * per_bar + r0 + r) * KPAIR_P_BYTES + lane * 16,
                 *(pv[v1.SUBS * r + s] for s in range(v1.SUBS)))
 
   @cute.jit
@@ -3037,10 +3035,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   def _stages(self, fast: bool, nt: int, sbs, scws, acc: cute.Tensor, single: int, ctl, pv=None) -> None:
     """`_stage` of each stage at ``sbs`` in turn, in one body (traced, so the calls are inlined in order)."""
     for r, (sb, scw) in enumerate(zip(sbs, scws)):
-      if pv is None:
-        self._stage(fast, nt, sb, scw, acc, single, ctl)
-      else:
-        self._stage(fast, nt, sb, scw, acc, single, ctl, pv, v1.SUBS * r)
+      self._stage(fast, nt, sb, scw, acc, single, ctl, pv, v1.SUBS * r)  # (``pv``: stage r's p from pv[4 r])
 
   @cute.jit
   def _stage(self, fast: cutlass.Constexpr, nt: cutlass.Constexpr, sb: Int32, scw, acc: cute.Tensor,
@@ -3227,85 +3222,69 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   @cute.jit
   def _issue(self, kb: Int32, sb: Int32, slots: cutlass.Constexpr, pw_e: Int64, psc_e: Int64, row0: Int32,
              n_rows: cutlass.Constexpr, kb_n: cutlass.Constexpr, nblk: cutlass.Constexpr, planes: Int64,
-             exps: Int64, ctl: Int32, n_copy: cutlass.Constexpr = -1):
+             exps: Int64, ctl: Int32, n_copy: cutlass.Constexpr = -1, per_bar: cutlass.Constexpr = 0):
     """cp.async of K128 block ``kb`` into the stage at ``sb``: weights (swizzled), scales, B planes, exponents (of the
-    first ``n_copy`` slots of the stage's ``slots``; -1: all)."""
+    first ``n_copy`` slots of the stage's ``slots``; -1: all).
+
+    ``per_bar`` > 0 (a `kpair` pass, its stages meeting at a barrier every ``per_bar``): ``kb`` is a stage of two
+    half tiles, rows row0 .. row0 + 63 of K128 tile `kpair_tile` (kb, 0) as the stage's rows 0-63 and B slots 0 ..
+    n_copy - 1, of tile (kb, 1) as rows 64-127 and slots 4 .. 3 + n_copy."""
     tid, _, _ = cute.arch.thread_idx()
     n_copy = slots if cutlass.const_expr(n_copy < 0) else n_copy
+    halves = 2 if cutlass.const_expr(per_bar) else 1
+    rows = TILE_M // halves
+    assert not (per_bar and self.qmma)
     for i in cutlass.range_constexpr(W_BYTES // 16 // THREADS):
       c = tid + i * THREADS
       row = c // 4
       col = c % 4
-      src = pw_e + (Int64(kb) * n_rows + row0 + row) * v1.FP4_TILE_BYTES + col * 16
+      # (row // rows == i: THREADS / 4 rows per pass of this loop)
+      src_row = row % rows if cutlass.const_expr(per_bar) else row
+      src = pw_e + (Int64(_stage_tile(kb, i, per_bar)) * n_rows + row0 + src_row) * v1.FP4_TILE_BYTES + col * 16
       _cp16(sb + row * 64 + ((col ^ ((row // 2) % 4)) << 4), src, Int32(16))
     if tid < TILE_M:
-      _cp4(sb + W_BYTES + tid * 4, psc_e + (Int64(row0 + tid) * kb_n + kb) * v1.WORD_BYTES)
+      if cutlass.const_expr(per_bar):
+        _cp4(sb + W_BYTES + tid * 4,
+             psc_e + (Int64(row0 + tid % rows) * kb_n + _stage_tile(kb, tid // rows, per_bar)) * v1.WORD_BYTES)
+      else:
+        _cp4(sb + W_BYTES + tid * 4, psc_e + (Int64(row0 + tid) * kb_n + kb) * v1.WORD_BYTES)
     xe_off = W_BYTES + SC_BYTES
     xp_off = xe_off + slots * 16
-    if tid < n_copy:
-      src_row = _lds(ctl + CTL_SLOT_SRC + tid * 4)
+    if tid < halves * n_copy:
+      half, slot, at = 0, tid, tid  # (half, slot) of this thread's exponent chunk, and its place in the stage
+      if cutlass.const_expr(per_bar):
+        half, slot = tid // n_copy, tid % n_copy
+        at = 4 * half + slot
+      src_row = _lds(ctl + CTL_SLOT_SRC + slot * 4)
       if cutlass.const_expr(self.qmma):
         # One packed UE8M0 word per slot (a padding slot's is never read: its accumulators are dropped).
         if src_row >= 0:
-          _cp4(sb + xe_off + tid * 16, exps + Int64(src_row) * nblk + 4 * kb)
+          _cp4(sb + xe_off + at * 16, exps + Int64(src_row) * nblk + 4 * kb)
       else:
-        _cp16(sb + xe_off + tid * 16, exps + (Int64(cutlass.max(src_row, 0)) * nblk + 4 * kb) * 4,
+        kt = _stage_tile(kb, half, per_bar)
+        _cp16(sb + xe_off + at * 16, exps + (Int64(cutlass.max(src_row, 0)) * nblk + 4 * kt) * 4,
               cutlass.select_(src_row >= 0, Int32(16), Int32(0)))
     # The B operand, 16 B chunks: every plane of the stage's four blocks, or (sm_120a) plane 0 only, chunks 0 and 1
     # of each block's six.
     per_slot = 8 if self.qmma else 4 * BLOCK_BYTES // 16
-    chunks = n_copy * per_slot
+    chunks = halves * n_copy * per_slot
     for i in cutlass.range_constexpr((chunks + THREADS - 1) // THREADS):
       c = tid + i * THREADS
       if c < chunks:
         slot = c // per_slot
         qq = c - slot * per_slot
+        half, at = 0, slot
+        if cutlass.const_expr(per_bar):
+          half, slot = slot // n_copy, slot % n_copy
+          at = 4 * half + slot
         src_row = _lds(ctl + CTL_SLOT_SRC + slot * 4)
-        dst = sb + xp_off + slot * self.token_stride + qq * 16
+        dst = sb + xp_off + at * self.token_stride + qq * 16
         if cutlass.const_expr(self.qmma):
           src = planes + (Int64(cutlass.max(src_row, 0)) * nblk + 4 * kb + qq // 2) * BLOCK_BYTES + (qq % 2) * 16
         else:
-          src = planes + (Int64(cutlass.max(src_row, 0)) * nblk + 4 * kb) * BLOCK_BYTES + qq * 16
+          kt = _stage_tile(kb, half, per_bar)
+          src = planes + (Int64(cutlass.max(src_row, 0)) * nblk + 4 * kt) * BLOCK_BYTES + qq * 16
         _cp16(dst, src, cutlass.select_(src_row >= 0, Int32(16), Int32(0)))
-
-
-  @cute.jit
-  def _issue_kpair(self, kb: Int32, per_bar: cutlass.Constexpr, sb: Int32, slots: cutlass.Constexpr, pw_e: Int64,
-                   psc_e: Int64, row0: Int32, n_rows: cutlass.Constexpr, kb_n: cutlass.Constexpr,
-                   nblk: cutlass.Constexpr, planes: Int64, exps: Int64, ctl: Int32, n_copy: cutlass.Constexpr):
-    """`_issue` of stage ``kb`` of a `kpair` pass: rows row0 .. row0 + 63 of K128 tile `kpair_tile` (kb, 0) as the
-    stage's rows 0-63 and B slots 0 .. n_copy - 1, of tile (kb, 1) as rows 64-127 and slots 4 .. 3 + n_copy."""
-    tid, _, _ = cute.arch.thread_idx()
-    half_rows = TILE_M // 2
-    for i in cutlass.range_constexpr(W_BYTES // 16 // THREADS):
-      c = tid + i * THREADS
-      row = c // 4
-      col = c % 4
-      kt = kpair_tile(kb, row // half_rows, per_bar)
-      src = pw_e + (Int64(kt) * n_rows + row0 + row % half_rows) * v1.FP4_TILE_BYTES + col * 16
-      _cp16(sb + row * 64 + ((col ^ ((row // 2) % 4)) << 4), src, Int32(16))
-    if tid < TILE_M:
-      kt = kpair_tile(kb, tid // half_rows, per_bar)
-      _cp4(sb + W_BYTES + tid * 4, psc_e + (Int64(row0 + tid % half_rows) * kb_n + kt) * v1.WORD_BYTES)
-    xe_off = W_BYTES + SC_BYTES
-    xp_off = xe_off + slots * 16
-    if tid < 2 * n_copy:
-      half = tid // n_copy
-      slot = tid % n_copy
-      src_row = _lds(ctl + CTL_SLOT_SRC + slot * 4)
-      kt = kpair_tile(kb, half, per_bar)
-      _cp16(sb + xe_off + (4 * half + slot) * 16, exps + (Int64(cutlass.max(src_row, 0)) * nblk + 4 * kt) * 4,
-            cutlass.select_(src_row >= 0, Int32(16), Int32(0)))
-    per_slot = 4 * BLOCK_BYTES // 16
-    if tid < 2 * n_copy * per_slot:
-      half = tid // (n_copy * per_slot)
-      slot = (tid // per_slot) % n_copy
-      qq = tid % per_slot
-      src_row = _lds(ctl + CTL_SLOT_SRC + slot * 4)
-      kt = kpair_tile(kb, half, per_bar)
-      _cp16(sb + xp_off + (4 * half + slot) * TOKEN_STRIDE + qq * 16,
-            planes + (Int64(cutlass.max(src_row, 0)) * nblk + 4 * kt) * BLOCK_BYTES + qq * 16,
-            cutlass.select_(src_row >= 0, Int32(16), Int32(0)))
 
 
 RoleKernelsV2.role2_tc.set_name_prefix("gcmoe_role2_compute_v2", remove_cutlass_symbol=True, keep_mangled_name=False)
