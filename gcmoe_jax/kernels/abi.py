@@ -31,7 +31,7 @@ from gcmoe_jax import geometry
 
 __all__ = ["HEADER", "PARAMS", "Workspace", "active_queue", "arrivals", "counter_words", "fused_counters",
            "item_order", "pull_cache", "queue_counter", "relay_counters", "role2_done", "scan_tokens",
-           "solo_ctas", "workspace_layout", "SILU_TABLE_ENTRIES"]
+           "solo_ctas", "combine_blocks", "workspace_layout", "SILU_TABLE_ENTRIES"]
 
 # Kernel parameter names, in order: 13 pointers, then T (int32) and clamp (float32).
 PARAMS = ("x", "ids", "route_weights", "w13", "w13_scale", "w2", "w2_scale", "s13", "s13_scale", "s2", "s2_scale",
@@ -156,9 +156,14 @@ def scan_tokens(top_k: int, capacity: int, ranks: int = 1) -> int:
   return 0 if ranks > 1 else min(SCAN_TOKENS, 64 // top_k, capacity)
 
 
+def combine_blocks(hidden: int) -> int:
+  """Blocks of `COMBINE_COLS` columns one token's y takes in the combine."""
+  return -(-hidden // COMBINE_COLS)
+
+
 def solo_ctas(hidden: int, tokens: int) -> int:
   """Role 2's combining CTAs where the graph holds it alone with ``tokens`` tokens (at least one)."""
-  return max(tokens, 1) * -(-hidden // COMBINE_COLS)
+  return max(tokens, 1) * combine_blocks(hidden)
 
 
 def _align(n: int) -> int:

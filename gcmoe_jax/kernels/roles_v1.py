@@ -882,7 +882,7 @@ class RoleKernelsV1:
     fault = _ld(wsb + abi.HEADER["error_flag"])  # (after role 2's faults, also where role 3 waited for them)
     # A CTA per token (tokens bid, bid + grid, ...), all of its column blocks.
     for t in range(bid, n_tok, Int32(grid)):
-      self._combine(t, 0, (v.hidden + COMBINE_COLS - 1) // COMBINE_COLS, wsb, idb, yb, fault)
+      self._combine(t, 0, abi.combine_blocks(v.hidden), wsb, idb, yb, fault)
     if bid == 0:
       cute.arch.sync_threads()
       if tid == 0:

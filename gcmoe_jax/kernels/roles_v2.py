@@ -1627,8 +1627,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   def _solo_ctas(self, tokens: Int32) -> Int32:
     """The combining CTAs where role 2 runs alone with ``tokens`` tokens: one per token and block of
     `v1.COMBINE_COLS` columns (at least one, which also advances the epoch)."""
-    n_cb = (self.v.hidden + v1.COMBINE_COLS - 1) // v1.COMBINE_COLS
-    return cutlass.max(cutlass.min(cutlass.max(tokens, 0), self.v.capacity), 1) * n_cb
+    return cutlass.max(cutlass.min(cutlass.max(tokens, 0), self.v.capacity), 1) * abi.combine_blocks(self.v.hidden)
 
   @cute.jit
   def _solo_finalize(self, idb: Int64, yb: Int64, wsb: Int64, tokens: Int32, chunk: Int32, items_grid: Int32,
@@ -1636,15 +1635,15 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     """One of the ``combining`` CTAs where the graph holds role 2 alone (`abi.TOKENS_SOLO`), launched beyond the item
     grid: it starts when an item CTA leaves. Each counts itself in (all its threads read the epoch), waits (bounded at
     twice the timeout, through faults: the item CTAs run to their end either way) until the ``items_grid`` item CTAs
-    counted themselves done, and combines y[t] over its block of `v1.COMBINE_COLS` columns (``chunk`` = t n_cb + block;
-    NaN after a fault, read after the wait). Each first does role 1's fault check (an id >= E; the record is written
-    once, and each CTA knows its own finding, so none writes y before another has recorded the fault). Combining CTA 0
-    also zeroes the next call's counters, and last advances the epoch once every combining CTA is in (a second thread
-    waits for them beside the first) and mirrors a fault to the host."""
+    counted themselves done, and combines y[t] over its block of `v1.COMBINE_COLS` columns (``chunk`` = t n + block,
+    n = `abi.combine_blocks`; NaN after a fault, read after the wait). Each first does role 1's fault check (an id
+    >= E; the record is written once, and each CTA knows its own finding, so none writes y before another has
+    recorded the fault). Combining CTA 0 also zeroes the next call's counters, and last advances the epoch once every
+    combining CTA is in (a second thread waits for them beside the first) and mirrors a fault to the host."""
     v = self.v
     tid, _, _ = cute.arch.thread_idx()
     bid, _, _ = cute.arch.block_idx()
-    n_cb = (v.hidden + v1.COMBINE_COLS - 1) // v1.COMBINE_COLS
+    n_blk = abi.combine_blocks(v.hidden)
     n_tok = cutlass.min(cutlass.max(tokens, 0), v.capacity)
     epoch = v1._ld(wsb + abi.HEADER["epoch"])
     cur = epoch + 1
@@ -1676,9 +1675,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       self._wait_geq(done + v1.WORD_BYTES, combining, wsb, cur, bid, Int32(abi.WAIT_ROLE3), 3, "gpu", 2, False)
     cute.arch.sync_threads()
     fault = v1._ld(wsb + abi.HEADER["error_flag"]) | bad
-    t = chunk // n_cb
+    t = chunk // n_blk
     if t < n_tok:
-      self._combine(t, chunk - t * n_cb, 1, wsb, idb, yb, fault)
+      self._combine(t, chunk - t * n_blk, 1, wsb, idb, yb, fault)
     if chunk == 0:
       cute.arch.sync_threads()
       if tid == 0:
