@@ -303,6 +303,12 @@ def _sts4(addr, w0, w1, w2, w3) -> None:
                        read_only_args=[addr, Int32(w0), Int32(w1), Int32(w2), Int32(w3)])
 
 
+def _kpair_p(pset, w, per_bar, r, lane):
+  """Where lane ``lane`` of warp ``w`` + 4 of a `kpair` pass keeps its four blocks' p of stage ``r`` of a barrier
+  step in the set at ``pset`` (`_compute` stores there, `_kpair_add` loads, one 16 B access each)."""
+  return pset + (w * per_bar + r) * KPAIR_P_BYTES + lane * 16
+
+
 def _lds64(addr) -> Int64:
   return cute.arch.inline_ptx("ld.shared.u64 {$w0}, [{$r0}];", write_only_types=[Int64], read_only_args=[addr])
 
@@ -1490,10 +1496,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # tiles), and with the shared expert its GEMM1 column blocks (n_s1) and GEMM2 column blocks (n_s2, each after
     # its token group's GEMM1 blocks).
     n1 = n_hit * self.j1
-    if cutlass.const_expr(self.kpair):
-      n2 = n_hit * self._per2(ctl)
-    else:
-      n2 = n_hit * (0 if cutlass.const_expr(self.ablation == "nogemm2") else self.j2)
+    n2 = n_hit * (0 if cutlass.const_expr(self.ablation == "nogemm2") else self._per2(ctl))
     n_s1 = Int32(0)
     n_s2 = Int32(0)
     n_tg, per_cb = self._shared_groups(n_tok)
@@ -1552,10 +1555,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         if routed:
           g2 = it >= n1
           it = cutlass.select_(g2, it - n1, it)
-          if cutlass.const_expr(self.kpair):
-            per = cutlass.select_(g2, self._per2(ctl), Int32(self.j1))
-          else:
-            per = cutlass.select_(g2, Int32(self.j2), Int32(self.j1))
+          per = cutlass.select_(g2, self._per2(ctl), Int32(self.j1))
           h = it // per
           j = it - h * per
           e = _lds(table + (v.experts + h) * 4)
@@ -1570,12 +1570,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
             else:
               if cutlass.const_expr(self.timeline):
                 self._tl_item(wsb, cur, bid, ctl, item, 1)
-              if cutlass.const_expr(self.kpair):
-                self._item(True, e, j, count, route_weights.toint(), w2.toint(), w2_scale.toint(), wsb, c_bits,
-                           cur, ctl, pipe, tmap_w2, _lds(ctl + CTL_KPAIR))
-              else:
-                self._item(True, e, j, count, route_weights.toint(), w2.toint(), w2_scale.toint(), wsb, c_bits,
-                           cur, ctl, pipe, tmap_w2)
+              self._item(True, e, j, count, route_weights.toint(), w2.toint(), w2_scale.toint(), wsb, c_bits,
+                         cur, ctl, pipe, tmap_w2, _lds(ctl + CTL_KPAIR) if cutlass.const_expr(self.kpair) else None)
               if cutlass.const_expr(self.relay):  # the copiers follow each expert's GEMM2 items done
                 self._count_done(counters, self.relay_base + e)
           else:
@@ -1621,8 +1617,11 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       self._count_done(counters, abi.role2_done(v.experts, v.capacity, v.shared, v.ranks, v.relay))
 
   def _per2(self, ctl: Int32) -> Int32:
-    """GEMM2 items per expert hit in this call: `kpair` items of 64 rows where `CTL_KPAIR` says so."""
-    return cutlass.select_(_lds(ctl + CTL_KPAIR) != 0, Int32(2 * self.j2), Int32(self.j2))
+    """GEMM2 items per expert hit in this call: `j2`, or in a `kpair` build twice as many items of 64 rows where
+    `CTL_KPAIR` says so (read here each time: a register kept across the item loop costs more)."""
+    if cutlass.const_expr(self.kpair):
+      return cutlass.select_(_lds(ctl + CTL_KPAIR) != 0, Int32(2 * self.j2), Int32(self.j2))
+    return Int32(self.j2)
 
   def _solo_ctas(self, tokens: Int32) -> Int32:
     """The combining CTAs where role 2 runs alone with ``tokens`` tokens: one per token and block of
@@ -2969,7 +2968,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     warp, lane, _, _ = _lanes()
     if warp < WARPS // 2:
       for r in cutlass.range_constexpr(per_bar):
-        p = _lds4(pset + (warp * per_bar + r) * KPAIR_P_BYTES + lane * 16)
+        p = _lds4(_kpair_p(pset, warp, per_bar, r, lane))
         for s in cutlass.range_constexpr(v1.SUBS):
           acc[0] = v1._fadd(acc[0], p[s])
 
@@ -2984,7 +2983,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     `_stage`) and one choice of body, so that both bodies lie in one basic block and ptxas may overlap the second
     stage's loads, decode and MMAs with the first's epilogue.
     ``p_out`` (a `kpair` pass): the set of p of this barrier step, where warp w >= 4 stores its blocks' p of stage
-    r0 + r of the step (`_kpair_add`'s layout: ``(w - 4) per_bar + r0 + r`` times `KPAIR_P_BYTES`)."""
+    r0 + r of the step (`_kpair_p`)."""
     warp, lane, g, t4 = _lanes()
     scws = tuple((_lds(sb + self.w_bytes + (16 * warp + g) * 4), _lds(sb + self.w_bytes + (16 * warp + g + 8) * 4))
                  for sb in sbs)
@@ -3010,7 +3009,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     if cutlass.const_expr(p_out is not None):
       if warp >= WARPS // 2:
         for r in cutlass.range_constexpr(len(sbs)):
-          _sts4(p_out + ((warp - WARPS // 2) * per_bar + r0 + r) * KPAIR_P_BYTES + lane * 16,
+          _sts4(_kpair_p(p_out, warp - WARPS // 2, per_bar, r0 + r, lane),
                 *(pv[v1.SUBS * r + s] for s in range(v1.SUBS)))
 
   @cute.jit
