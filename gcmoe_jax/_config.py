@@ -1,7 +1,10 @@
 """Every environment variable gcmoe_jax reads, declared once with its type, default and help (a leaf module).
 
-Read them through `get`; `python -m gcmoe_jax doctor` lists them all. Variables that change kernels or geometry
-enter the kernel variant key and the plan.
+Read them through `get`; `python -m gcmoe_jax doctor` lists them all, with their values, and names any set
+``GCMOE_*``/``GC_MOE_*`` variable that is not one of them (a misspelt setting is otherwise ignored without a word).
+Variables that change kernels or geometry enter the kernel variant key and the plan. Two are read by the C++
+runtime itself (`GCMOE_DEBUG_TRACE`, `GCMOE_DEBUG_PRIMARY_CTX`: only the value 1 turns them on there), so they are
+declared here for doctor and the docs, and checked to be exactly 0 or 1.
 """
 
 from __future__ import annotations
@@ -48,14 +51,26 @@ def _positive_int(text: str) -> int:
   return value
 
 
-_positive_int.__name__ = "a positive int"
-_wait_ms.__name__ = "a number of milliseconds"
 
 
 def _solo_sms(text: str) -> str:
   if text not in ("compute", "all"):
     raise ValueError("expected compute or all")
   return text
+
+
+def _zero_one(text: str) -> bool:
+  if text not in ("0", "1"):  # the C++ runtime reads exactly "1"; "true" there would silently mean off
+    raise ValueError("expected 0 or 1")
+  return text == "1"
+
+
+def _test_level(text: str) -> str:
+  if text not in ("quick", "full"):
+    raise ValueError("expected quick or full")
+  return text
+
+
 
 
 def _bool(text: str) -> bool:
@@ -66,6 +81,16 @@ def _bool(text: str) -> bool:
   raise ValueError(f"expected one of 1/0/true/false/yes/no/on/off, got {text!r}")
 
 
+# `get`'s error says "<NAME> must be <parser name>": each parser's name is what it accepts.
+_positive_int.__name__ = "a positive int"
+_wait_ms.__name__ = "a number of milliseconds"
+_kernels.__name__ = "v1 or v2"
+_ablation.__name__ = "an ablation name or empty"
+_bool.__name__ = "a boolean"
+_solo_sms.__name__ = "compute or all"
+_zero_one.__name__ = "0 or 1"
+_test_level.__name__ = "quick or full"
+
 VARS = {v.name: v for v in (
   Var("GCMOE_FFI_LIBRARY", str, "", "path of libgcmoe_jax_ffi.so to load instead of the installed one"),
   Var("GCMOE_CUBIN_DIR", str, "", "directory of prebuilt role-kernel cubins (python -m gcmoe_jax build-kernels)"),
@@ -73,7 +98,7 @@ VARS = {v.name: v for v in (
       "SMs requested for the dispatch green context (eq. 5); the compute partition is the aligned rest of the "
       "device. Unset: 2 for a call without peers (its role 1 is one CTA: 128 compute / 4 dispatch SMs on "
       "H100/H200, 104 / 6 on SM120), the paper's 6 for the fused transport (geometry.dispatch_request)"),
-  Var("GCMOE_KERNELS", _kernels, "v2", "role-kernel generation: v2 (int8 tensor-core GEMMs, docs/kernels.md) or v1 "
+  Var("GCMOE_KERNELS", _kernels, "v2", "role-kernel generation: v2 (int8 tensor-core GEMMs, docs/kernels_v2.md) or v1 "
                                        "(the SIMT reference kernels); part of the cubin key"),
   Var("GCMOE_ABLATION", _ablation, "", "benchmarking only, results are WRONG: build role 2 (v2) with one part left "
                                        "out to attribute its time (nomath: no weight decode, MMA or epilogue math "
@@ -116,7 +141,14 @@ VARS = {v.name: v for v in (
   Var("GCMOE_SYNC_CHECK", _bool, False, "synchronise after each CUDA call and raise a device fault at once, also "
                                         "under XLA command buffers, which then leave the call out (tests, "
                                         "debugging); otherwise it is raised by the next call that runs the handler"),
-  Var("GCMOE_TEST_LEVEL", str, "quick", "tests: quick or full"),
+  Var("GCMOE_DEBUG_TRACE", _zero_one, False, "debugging, read by the C++ runtime before the process's first CUDA "
+                                             "call: record every graph launch outside a capture "
+                                             "(gcmoe_jax.ffi.debug_trace, docs/cuda_runtime.md \"Debug switches\")"),
+  Var("GCMOE_DEBUG_PRIMARY_CTX", _zero_one, False, "debugging, read once by the C++ runtime: every role on the "
+                                                   "primary context instead of its green context, the grids still "
+                                                   "sized by the partition (docs/cuda_runtime.md \"Debug switches\")"),
+  Var("GCMOE_TEST_LEVEL", _test_level, "quick", "tests only: quick (the default) or full (adds the long CPU "
+                                                "sweeps of the test suite)"),
 )}
 
 
@@ -138,6 +170,22 @@ def timeline_build() -> bool:
   return get("GCMOE_ABLATION") == "timeline"
 
 
-def snapshot() -> dict[str, tuple[Any, bool, str]]:
-  """``name -> (value, is_set, help)`` for every declared variable (for doctor)."""
-  return {name: (get(name), bool(os.environ.get(name)), v.help) for name, v in VARS.items()}
+PREFIXES = ("GCMOE_", "GC_MOE_")
+
+
+def snapshot() -> dict[str, dict[str, Any]]:
+  """``name -> {value, set, error, help}`` for every declared variable (for doctor): ``value`` is what `get` returns,
+  or None with the message in ``error`` where the variable's text is malformed (doctor reports it, not raises)."""
+  out = {}
+  for name, var in VARS.items():
+    try:
+      value, error = get(name), None
+    except ValueError as e:
+      value, error = None, str(e)
+    out[name] = {"value": value, "set": bool(os.environ.get(name)), "error": error, "help": var.help}
+  return out
+
+
+def unknown() -> dict[str, str]:
+  """The set ``GCMOE_*``/``GC_MOE_*`` environment variables that gcmoe_jax does not read (misspelt settings)."""
+  return {k: v for k, v in sorted(os.environ.items()) if k.startswith(PREFIXES) and k not in VARS}

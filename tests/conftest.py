@@ -13,12 +13,12 @@ else:  # pragma: no cover - older jax
 import jax.numpy as jnp
 import pytest
 
-from gcmoe_jax import api, formats
+from gcmoe_jax import _config, api, formats
 from gcmoe_jax.bench.problems import Shape, make_problem
 
 # Small enough for 2 CPU cores, large enough to cover several K128 blocks, 8-row gate/up groups and k > 1.
 SMALL = Shape(experts=8, hidden=512, intermediate=256, top_k=4, tokens=6, shared_intermediate=None)
-FULL = os.environ.get("GCMOE_TEST_LEVEL", "quick") == "full"
+FULL = _config.get("GCMOE_TEST_LEVEL") == "full"  # (a misspelt level raises instead of meaning quick)
 
 
 def quantized(p):

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import types
+from pathlib import Path
 
 import jax
 import pytest
 
-from gcmoe_jax import ffi
+from gcmoe_jax import _config, ffi
 from gcmoe_jax.__main__ import main
 from gcmoe_jax.commands import doctor
 from gcmoe_jax.ffi import _library
@@ -29,6 +32,47 @@ def test_report_on_cpu(capsys, monkeypatch):
   if info.path:
     # The label names every target the library declares for the platform, the sync-check one too.
     assert info.path in out and f"{ffi.TARGET}, {ffi.TARGET_SYNC} on cpu: registered" in out
+
+
+def test_settings_listed_and_misspelt_or_malformed_ones_named(capsys, monkeypatch):
+  """Every declared setting gets a line with its value; a set GCMOE_* variable gcmoe_jax does not read (a misspelt
+  setting, which otherwise has no effect) and a malformed value are named, not raised."""
+  monkeypatch.setenv("GCMOE_SOLO_SM", "all")  # misspelt GCMOE_SOLO_SMS
+  monkeypatch.setenv("GCMOE_KERNELS", "v3")
+  monkeypatch.setenv("GCMOE_WAIT_TIMEOUT_MS", "5000")
+  monkeypatch.setenv("GCMOE_DEBUG_TRACE", "true")  # the C++ runtime reads exactly "1": "true" would mean off
+  main(["doctor"])
+  out = capsys.readouterr().out
+  for name in _config.VARS:
+    assert f"{name}=" in out, name
+  assert "GCMOE_WAIT_TIMEOUT_MS=5000  (set)" in out
+  assert "GCMOE_SOLO_SMS=compute  (default)" in out
+  assert "GC_MOE_SM120_DISPATCH_SMS=(unset)  (default)" in out or "GC_MOE_SM120_DISPATCH_SMS" in os.environ
+  assert "GCMOE_KERNELS=v3  (ERROR: gcmoe_jax: environment variable GCMOE_KERNELS must be v1 or v2, got 'v3'" in out
+  assert "GCMOE_DEBUG_TRACE=true  (ERROR:" in out and "must be 0 or 1" in out
+  assert "unknown   GCMOE_SOLO_SM=all: not a gcmoe_jax setting (misspelt?)" in out
+  main(["doctor", "--json"])
+  report = json.loads(capsys.readouterr().out)
+  assert report["settings"]["GCMOE_WAIT_TIMEOUT_MS"] == {"value": 5000, "set": True, "error": None,
+                                                        "help": _config.VARS["GCMOE_WAIT_TIMEOUT_MS"].help}
+  assert report["settings"]["GCMOE_KERNELS"]["value"] is None and "v1 or v2" in report["settings"]["GCMOE_KERNELS"][
+    "error"]
+  assert report["unknown_environment"] == {"GCMOE_SOLO_SM": "all"}
+
+
+def test_every_variable_the_code_reads_is_declared():
+  """The C++ runtime's getenv calls and the package's GCMOE_* reads all name a declared `_config.VARS` entry, so
+  doctor and `_config`'s help cover every one (the package reads the rest through `_config.get`)."""
+  root = Path(__file__).resolve().parents[1]
+  read = set()
+  for path in sorted((root / "csrc").glob("*.cc")) + sorted((root / "csrc").glob("*.h")):
+    read |= set(re.findall(r'getenv\("([A-Z0-9_]+)"\)', path.read_text()))
+  for path in sorted((root / "gcmoe_jax").rglob("*.py")):
+    text = path.read_text()
+    read |= {n for n in re.findall(r'environ(?:\.get\(|\[)"((?:GCMOE|GC_MOE)_[A-Z0-9_]+)"', text)}
+    read |= set(re.findall(r'_config\.get\("([A-Z0-9_]+)"\)', text))
+  assert {"GCMOE_DEBUG_TRACE", "GCMOE_DEBUG_PRIMARY_CTX", "GCMOE_SOLO_SMS"} <= read  # the scan finds both kinds
+  assert read - set(_config.VARS) == set()
 
 
 def test_json_report(capsys):

@@ -1,7 +1,8 @@
 """``python -m gcmoe_jax doctor``: what this machine and this install can run, on one screen.
 
 Reports the FFI library (path, how it was found, what it was built against, handlers registered per platform), the
-jax/jaxlib versions and devices, the ``GCMOE_*`` environment, and for CUDA: the driver version, and per GPU the
+jax/jaxlib versions and devices, every ``GCMOE_*`` setting with its value (and any set ``GCMOE_*`` variable that
+gcmoe_jax does not read, a misspelt setting, or a malformed value), and for CUDA: the driver version, and per GPU the
 compute capability, SM count and green-context support. GPU facts come from ``cuda.bindings.driver`` when it is
 importable; otherwise from jax's device objects and the library's own driver probe, and the report says so.
 
@@ -21,13 +22,12 @@ from typing import Any
 import jax
 import jaxlib
 
-from gcmoe_jax import api, ffi
+from gcmoe_jax import _config, api, ffi
 
 # Green contexts (cuGreenCtxCreate) need a CUDA 12.4 driver; balanced workqueues (CU_DEV_RESOURCE_TYPE_WORKQUEUE_CONFIG)
 # and cuDevSmResourceSplit need 13.1 (DESIGN §5, measured on the H100).
 GREEN_CTX_MIN_DRIVER = 12040
 WORKQUEUE_MIN_DRIVER = 13010
-ENV_PREFIXES = ("GCMOE_", "GC_MOE_")
 RELATED_ENV = ("JAX_PLATFORMS", "XLA_FLAGS", "CUDA_VISIBLE_DEVICES", "XLA_PYTHON_CLIENT_MEM_FRACTION")
 
 
@@ -77,7 +77,8 @@ def collect() -> dict[str, Any]:
     },
     "handlers": {"cpu": cpu._asdict(), "cuda": cuda._asdict()},
     "devices": _devices(),
-    "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)},
+    "settings": _config.snapshot(),
+    "unknown_environment": _config.unknown(),
     "related_environment": {k: os.environ[k] for k in RELATED_ENV if k in os.environ},
     "cuda": probe_cuda(),
   }
@@ -236,9 +237,14 @@ def format_report(r: dict[str, Any]) -> str:
   for note in c["notes"]:
     lines.append(f"  note      {note}")
   lines.append("")
-  env = r["environment"]
-  lines.append("environment " + (", ".join(f"{k}={v}" for k, v in env.items()) if env else
-                                 f"no {'/'.join(p + '*' for p in ENV_PREFIXES)} variables set"))
+  # One line per setting: the set ones first, the defaults after them.
+  settings = sorted(r["settings"].items(), key=lambda kv: not kv[1]["set"])
+  for i, (name, st) in enumerate(settings):
+    state = f"ERROR: {st['error']}" if st["error"] else ("set" if st["set"] else "default")
+    shown = os.environ.get(name, "") if st["error"] else ("(unset)" if st["value"] is None else st["value"])
+    lines.append(f"{'settings' if i == 0 else '':<12}{name}={shown}  ({state})")
+  for k, v in r["unknown_environment"].items():
+    lines.append(f"  unknown   {k}={v}: not a gcmoe_jax setting (misspelt?), so it has no effect")
   for k, v in r["related_environment"].items():
     lines.append(f"  related   {k}={v}")
   return "\n".join(lines)
