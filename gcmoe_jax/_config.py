@@ -125,7 +125,8 @@ VARS = {v.name: v for v in (
                                        "A/B timing; stagetest: one fast-path test per K128 stage where two "
                                        "stages share a CTA barrier, results exact, for A/B timing; kpair: "
                                        "GEMM2 items of 64 rows with K split between warp pairs at calls of up to "
-                                       "2 tokens, results meant exact, not yet run on a GPU, for A/B timing); "
+                                       "2 tokens, results exact, 5-13 % slower at B = 1-8 on the H200 (session "
+                                       "38), for A/B timing); "
                                        "part of the cubin key"),
   Var("GCMOE_WAIT_TIMEOUT_MS", _wait_ms, 2000, "bound of every device spin-wait; expiry becomes a Python exception"),
   Var("GCMOE_FIRST_WAIT_TIMEOUT_MS", _wait_ms, 120_000, "bound of the spin-waits of the first call of the fused "
@@ -134,10 +135,11 @@ VARS = {v.name: v for v in (
   Var("GCMOE_SOLO", _bool, True, "one GPU, up to kernels.abi.scan_tokens tokens (8 where k <= 8): the graph holds "
                                  "role 2 alone, which then also checks the ids and combines y (docs/kernels_v2.md "
                                  "\"Role 2 alone at B <= 8\"); 0: roles 1 and 3 run too (A/B timing, debugging)"),
-  Var("GCMOE_SOLO_SMS", _solo_sms, "compute", "where role 2 alone runs (GCMOE_SOLO): compute (the compute green "
-                                               "context, its item grid sized by that partition) or all (the "
-                                               "stream's own context over every SM of the device, the item grid "
-                                               "scaled to them: the dispatch SMs idle otherwise; A/B timing)"),
+  Var("GCMOE_SOLO_SMS", _solo_sms, "all", "where role 2 alone runs (GCMOE_SOLO): all (the default: the stream's own "
+                                           "context over every SM of the device, the item grid scaled to them; "
+                                           "4-12 % faster than compute at B = 1-8 on the H200, session 38) or "
+                                           "compute (the compute green context, its item grid sized by that "
+                                           "partition: A/B timing)"),
   Var("GCMOE_SYNC_CHECK", _bool, False, "synchronise after each CUDA call and raise a device fault at once, also "
                                         "under XLA command buffers, which then leave the call out (tests, "
                                         "debugging); otherwise it is raised by the next call that runs the handler"),

@@ -41,12 +41,13 @@ def test_settings_listed_and_misspelt_or_malformed_ones_named(capsys, monkeypatc
   monkeypatch.setenv("GCMOE_KERNELS", "v3")
   monkeypatch.setenv("GCMOE_WAIT_TIMEOUT_MS", "5000")
   monkeypatch.setenv("GCMOE_DEBUG_TRACE", "true")  # the C++ runtime reads exactly "1": "true" would mean off
+  monkeypatch.delenv("GCMOE_SOLO_SMS", raising=False)
   main(["doctor"])
   out = capsys.readouterr().out
   for name in _config.VARS:
     assert f"{name}=" in out, name
   assert "GCMOE_WAIT_TIMEOUT_MS=5000  (set)" in out
-  assert "GCMOE_SOLO_SMS=compute  (default)" in out
+  assert f"GCMOE_SOLO_SMS={_config.VARS['GCMOE_SOLO_SMS'].default}  (default)" in out
   assert "GC_MOE_SM120_DISPATCH_SMS=(unset)  (default)" in out or "GC_MOE_SM120_DISPATCH_SMS" in os.environ
   assert "GCMOE_KERNELS=v3  (ERROR: gcmoe_jax: environment variable GCMOE_KERNELS must be v1 or v2, got 'v3'" in out
   assert "GCMOE_DEBUG_TRACE=true  (ERROR:" in out and "must be 0 or 1" in out
