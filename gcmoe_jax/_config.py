@@ -137,7 +137,7 @@ VARS = {v.name: v for v in (
                                  "\"Role 2 alone at B <= 8\"); 0: roles 1 and 3 run too (A/B timing, debugging)"),
   Var("GCMOE_SOLO_SMS", _solo_sms, "all", "where role 2 alone runs (GCMOE_SOLO): all (the default: the stream's own "
                                            "context over every SM of the device, the item grid scaled to them; "
-                                           "4-12 % faster than compute at B = 1-8 on the H200, session 38) or "
+                                           "3.9-9.1 % faster than compute at B = 1-8 on the H200, session 38) or "
                                            "compute (the compute green context, its item grid sized by that "
                                            "partition: A/B timing)"),
   Var("GCMOE_SYNC_CHECK", _bool, False, "synchronise after each CUDA call and raise a device fault at once, also "
@@ -145,7 +145,7 @@ VARS = {v.name: v for v in (
                                         "debugging); otherwise it is raised by the next call that runs the handler"),
   Var("GCMOE_DEBUG_TRACE", _zero_one, False, "debugging, read by the C++ runtime before the process's first CUDA "
                                              "call: record every graph launch outside a capture "
-                                             "(gcmoe_jax.ffi.debug_trace, docs/cuda_runtime.md \"Debug switches\")"),
+                                             "(gcmoe_jax.ffi._cuda.debug_trace, docs/cuda_runtime.md \"Debug switches\")"),
   Var("GCMOE_DEBUG_PRIMARY_CTX", _zero_one, False, "debugging, read once by the C++ runtime: every role on the "
                                                    "primary context instead of its green context, the grids still "
                                                    "sized by the partition (docs/cuda_runtime.md \"Debug switches\")"),
