@@ -145,7 +145,8 @@ VARS = {v.name: v for v in (
                                         "debugging); otherwise it is raised by the next call that runs the handler"),
   Var("GCMOE_DEBUG_TRACE", _zero_one, False, "debugging, read by the C++ runtime before the process's first CUDA "
                                              "call: record every graph launch outside a capture "
-                                             "(gcmoe_jax.ffi._cuda.debug_trace, docs/cuda_runtime.md \"Debug switches\")"),
+                                             "(gcmoe_jax.ffi._cuda.debug_trace, docs/cuda_runtime.md \"Debug "
+                                             "switches\")"),
   Var("GCMOE_DEBUG_PRIMARY_CTX", _zero_one, False, "debugging, read once by the C++ runtime: every role on the "
                                                    "primary context instead of its green context, the grids still "
                                                    "sized by the partition (docs/cuda_runtime.md \"Debug switches\")"),
