@@ -51,8 +51,6 @@ def _positive_int(text: str) -> int:
   return value
 
 
-
-
 def _solo_sms(text: str) -> str:
   if text not in ("compute", "all"):
     raise ValueError("expected compute or all")
@@ -69,8 +67,6 @@ def _test_level(text: str) -> str:
   if text not in ("quick", "full"):
     raise ValueError("expected quick or full")
   return text
-
-
 
 
 def _bool(text: str) -> bool:
