@@ -38,6 +38,7 @@ namespace gcmoe {
   X(cuKernelGetFunction) \
   X(cuKernelSetAttribute) \
   X(cuOccupancyMaxActiveBlocksPerMultiprocessor) \
+  X(cuFuncGetAttribute) \
   X(cuMemAlloc) \
   X(cuMemFree) \
   X(cuMemsetD8) \

@@ -106,7 +106,7 @@ void RegisterVariant(const std::string& key, std::shared_ptr<VariantSpec> spec) 
   Sha256 sha;
   sha.Add(spec->capacity).Add(spec->dispatch_sms).Add(spec->timeout_ns).Add(spec->ws_total).Add(spec->ws_silu_table);
   sha.Add(spec->planned_compute_sms).Add(spec->ranks).Add(spec->finalize_early_tokens);
-  sha.Add(spec->solo_tokens).Add(spec->solo_blocks).Add(spec->solo_all_sms);
+  sha.Add(spec->solo_tokens).Add(spec->solo_blocks).Add(spec->solo_all_sms).Add(spec->graph_on_stream);
   for (int32_t d : spec->peer_devices) sha.Add(d);
   for (const TensorMapSpec& m : spec->tensormaps) {
     sha.Add(m.param).Add(m.dtype).Add(m.dim0).Add(m.dim1).Add(m.row_stride).Add(m.box0).Add(m.box1).Add(m.swizzle);
@@ -650,6 +650,11 @@ std::string Runtime::Build(int64_t tokens, float clamp) {
   // its grid, so only the residency check (eq. 6) needs the larger SM count.
   const bool all_sms = solo_ && s.solo_all_sms != 0;
   if (all_sms) role_ctx_[1] = primary_;
+  // The three-node graph on the stream's own context (VariantSpec::graph_on_stream, one GPU): no green-context switch
+  // on the layer's critical path. Role 2's grid stays the compute partition's; what the partition guaranteed, that
+  // role 1 becomes resident beside all of role 2, is checked by count below. Role 3 then runs after role 2.
+  const bool on_stream = !solo_ && group_ == nullptr && s.ranks == 1 && s.graph_on_stream != 0;
+  if (on_stream) role_ctx_[0] = role_ctx_[1] = primary_;
   bool beside = !solo_ && group_ == nullptr && s.ranks == 1 && tokens <= s.finalize_early_tokens &&
                 role_ctx_[0] != role_ctx_[1];
   role_ctx_[2] = role_ctx_[beside ? 0 : 1];
@@ -657,6 +662,10 @@ std::string Runtime::Build(int64_t tokens, float clamp) {
   // ---- Cubins and the residency check (eq. 6) at the exact launch configuration.
   unsigned role_sms[kNumRoles] = {partition_.dispatch_sms, all_sms ? partition_.total_sms : partition_.compute_sms,
                                   beside ? partition_.dispatch_sms : partition_.compute_sms};
+  if (on_stream) role_sms[0] = role_sms[1] = role_sms[2] = partition_.total_sms;
+  // Per role: threads, registers per thread, SMEM per CTA (static + dynamic): on one context a role-1 CTA must fit
+  // where a role-2 CTA would (below).
+  int64_t cta_use[kNumRoles][3] = {};
   // A grid of 0 in the spec means: role 1 one CTA, role 2 one CTA per compute SM, role 3 one CTA per token.
   const unsigned auto_grid[kNumRoles] = {1u, partition_.compute_sms, static_cast<unsigned>(std::max<int64_t>(1, tokens))};
   for (int r = 0; r < kNumRoles; ++r) {
@@ -688,12 +697,31 @@ std::string Runtime::Build(int64_t tokens, float clamp) {
       role_ctx_[2] = role_ctx_[1];
       role_sms[r] = partition_.compute_sms;
     }
-    const int64_t resident = static_cast<int64_t>(per_sm) * role_sms[r];
+    int regs = 0, static_smem = 0;
+    GCMOE_CU(cu_.cuFuncGetAttribute(&regs, CU_FUNC_ATTRIBUTE_NUM_REGS, fn));
+    GCMOE_CU(cu_.cuFuncGetAttribute(&static_smem, CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, fn));
+    cta_use[r][0] = role.block;
+    cta_use[r][1] = regs;
+    cta_use[r][2] = static_smem + static_cast<int64_t>(role.smem);
+    if (r == 1 && on_stream && !(cta_use[0][0] <= cta_use[1][0] && cta_use[0][1] <= cta_use[1][1] &&
+                                 cta_use[0][2] <= cta_use[1][2])) {
+      return "gcmoe_moe: GCMOE_GRAPH_CONTEXT=stream needs a role-1 CTA to fit where a role-2 CTA would (threads, "
+             "registers per thread, SMEM: " + std::to_string(cta_use[0][0]) + ", " + std::to_string(cta_use[0][1]) +
+             ", " + std::to_string(cta_use[0][2]) + " B against " + std::to_string(cta_use[1][0]) + ", " +
+             std::to_string(cta_use[1][1]) + ", " + std::to_string(cta_use[1][2]) + " B); use GCMOE_GRAPH_CONTEXT=green";
+    }
+    // On one context the partition no longer keeps role 1's SMs free, so count: role 1's CTAs may land first, each
+    // on an SM of its own whose SMEM carveout then need not suit role 2, so each costs role 2 a whole SM; if role 2
+    // lands first, the slots it leaves free hold role 1's CTAs, each fitting where a role-2 CTA would (above).
+    const int64_t sms = r == 1 && on_stream ? role_sms[r] - std::min<int64_t>(launch_[0].grid, role_sms[r])
+                                            : role_sms[r];
+    const int64_t resident = static_cast<int64_t>(per_sm) * sms;
     if (role.grid == 0 || role.grid > resident) {
       return "gcmoe_moe: role " + std::to_string(r + 1) + " grid of " + std::to_string(role.grid) +
              " CTAs cannot be resident: " + std::to_string(per_sm) + " CTA(s) per SM at " +
              std::to_string(role.block) + " threads and " + std::to_string(role.smem) + " B dynamic SMEM x " +
-             std::to_string(role_sms[r]) + " SMs = " + std::to_string(resident) + " (eq. 6)";
+             std::to_string(sms) + " SMs = " + std::to_string(resident) + " (eq. 6" +
+             (r == 1 && on_stream ? ", less an SM per role-1 CTA: GCMOE_GRAPH_CONTEXT=stream" : "") + ")";
     }
   }
   // Beyond the item grid, which fills role 2's partition: each combining CTA starts when an item CTA leaves, and no
@@ -1127,7 +1155,8 @@ std::string Runtime::SetStall(int32_t e) {
 // ws_total, ws_silu_table[, planned compute SMs[, R ranks of the fused transport[, the tokens up to which role 3 may
 // run beside role 2 (abi.FINALIZE_EARLY_TOKENS)[, the tokens up to which the graph holds role 2 alone
 // (abi.scan_tokens), role 2's combining CTAs per token then (abi.solo_ctas)[, where it runs alone (0: the compute
-// partition, 1: every SM; GCMOE_SOLO_SMS)[, with R > 1 the CUDA ordinals of its peer groups, group-major]]]]]]
+// partition, 1: every SM; GCMOE_SOLO_SMS)[, where the three-node graph runs (0: the green contexts, 1: the stream's
+// own context; GCMOE_GRAPH_CONTEXT)[, with R > 1 the CUDA ordinals of its peer groups, group-major]]]]]]]
 // (int64); `launch`: (grid, block, dynamic smem) of roles 1, 2, 3 (9 uint32); the three
 // cubins; the silu table (65536 float32); role 2's TensorMaps (abi.tensormap_fields, 8 int64 each, formal order).
 // Returns 0, or -1 with the reason in `error`.
@@ -1146,6 +1175,7 @@ GCMOE_EXPORT int gcmoe_register_variant(const char* key, const int64_t* config, 
   const int64_t solo_tokens = num_config > 8 ? config[8] : 0;
   const int64_t solo_blocks = num_config > 9 ? config[9] : 0;
   const int64_t solo_all_sms = num_config > 10 ? config[10] : 0;
+  const int64_t graph_on_stream = num_config > 11 ? config[11] : 0;
   // Both 0 (never alone) or both > 0, and one GPU: a config of the layout before these two words (peer devices from
   // index 8) cannot pass as one of this layout.
   if (solo_tokens < 0 || solo_blocks < 0 || (solo_tokens == 0) != (solo_blocks == 0) || config[0] < solo_tokens ||
@@ -1164,8 +1194,14 @@ GCMOE_EXPORT int gcmoe_register_variant(const char* key, const int64_t* config, 
                                std::to_string(solo_all_sms) + " with solo tokens " + std::to_string(solo_tokens),
                            error, error_size);
   }
-  const int64_t num_devices = num_config > 11 ? num_config - 11 : 0;
-  std::vector<int32_t> peer_devices(config + std::min<int64_t>(num_config, 11), config + num_config);
+  if (graph_on_stream != 0 && (graph_on_stream != 1 || ranks != 1)) {
+    return gcmoe::FailWith("gcmoe_register_variant: where the three-node graph runs is 0 (the green contexts) or 1 "
+                               "(the stream's own context), and 1 only on one GPU (R = 1); got " +
+                               std::to_string(graph_on_stream) + " with R = " + std::to_string(ranks),
+                           error, error_size);
+  }
+  const int64_t num_devices = num_config > 12 ? num_config - 12 : 0;
+  std::vector<int32_t> peer_devices(config + std::min<int64_t>(num_config, 12), config + num_config);
   // This process's devices (ordinals >= 0) at most once in all; a device of another process is -(1 + its process
   // index), at most once per group, and a group with one has at most one of this process's (CUDA IPC, not peer
   // access, connects it).
@@ -1242,6 +1278,7 @@ GCMOE_EXPORT int gcmoe_register_variant(const char* key, const int64_t* config, 
   spec->solo_tokens = solo_tokens;
   spec->solo_blocks = solo_blocks;
   spec->solo_all_sms = solo_all_sms;
+  spec->graph_on_stream = graph_on_stream;
   spec->peer_devices = std::move(peer_devices);
   const void* cubins[3] = {cubin1, cubin2, cubin3};
   const int64_t sizes[3] = {size1, size2, size3};

@@ -98,6 +98,10 @@ struct VariantSpec {
   // stream's own context over every SM of the device, its item grid scaled to them (GCMOE_SOLO_SMS=all): role 2
   // alone has no role beside it to keep the dispatch SMs for.
   int64_t solo_all_sms = 0;
+  // Where the three-node graph runs (one GPU): 0 on the dispatch and compute green contexts, 1 on the stream's own
+  // context (GCMOE_GRAPH_CONTEXT=stream): no green-context switch on the layer's path; role 2's grid stays the
+  // compute partition's, and the residency check counts that role 1 fits beside it (Runtime::Build).
+  int64_t graph_on_stream = 0;
   std::vector<int32_t> peer_devices;
   std::array<RoleSpec, kNumRoles> role;
   std::vector<TensorMapSpec> tensormaps;  // role 2's, in formal order (none for v1 and for test kernels)

@@ -57,6 +57,12 @@ def _solo_sms(text: str) -> str:
   return text
 
 
+def _graph_context(text: str) -> str:
+  if text not in ("green", "stream"):
+    raise ValueError("expected green or stream")
+  return text
+
+
 def _zero_one(text: str) -> bool:
   if text not in ("0", "1"):  # the C++ runtime reads exactly "1"; "true" there would silently mean off
     raise ValueError("expected 0 or 1")
@@ -84,6 +90,7 @@ _kernels.__name__ = "v1 or v2"
 _ablation.__name__ = "an ablation name or empty"
 _bool.__name__ = "a boolean"
 _solo_sms.__name__ = "compute or all"
+_graph_context.__name__ = "green or stream"
 _zero_one.__name__ = "0 or 1"
 _test_level.__name__ = "quick or full"
 
@@ -136,6 +143,12 @@ VARS = {v.name: v for v in (
                                            "3.9-9.1 % faster than compute at B = 1-8 on the H200, session 38) or "
                                            "compute (the compute green context, its item grid sized by that "
                                            "partition: A/B timing)"),
+  Var("GCMOE_GRAPH_CONTEXT", _graph_context, "green", "where roles 1-3 run when the graph holds all three (one GPU, "
+                                                    "more tokens than GCMOE_SOLO covers): green (the dispatch and "
+                                                    "compute green contexts) or stream (the stream's own context: no "
+                                                    "green-context switch; role 2's grid stays the compute "
+                                                    "partition's and the runtime checks that role 1 fits beside it; "
+                                                    "docs/cuda_runtime.md \"Graph\")"),
   Var("GCMOE_SYNC_CHECK", _bool, False, "synchronise after each CUDA call and raise a device fault at once, also "
                                         "under XLA command buffers, which then leave the call out (tests, "
                                         "debugging); otherwise it is raised by the next call that runs the handler"),

@@ -388,6 +388,51 @@ def test_up_to_eight_tokens_role2_runs_alone(shared, monkeypatch):
         np.testing.assert_array_equal(np.asarray(y).view(np.uint16), inputs[1][2], err_msg="after the fault")
 
 
+@pytest.mark.parametrize("shared", [None, 128], ids=["routed", "shared128"])
+def test_three_role_graph_on_the_stream_context_is_exact(shared, monkeypatch):
+  """``GCMOE_GRAPH_CONTEXT=stream``: the graph of roles 1-3 on the stream's own context instead of the green ones
+  (role 2's grid still the compute partition's; the runtime counts that role 1 fits beside it). At T = 12, 40 and
+  200 (capacities 16, 64, 256) against the green contexts: 6 calls each over three rotating inputs, every one
+  bit-exact to the oracle, the epoch advancing by one per call; and at T = 5 with ``GCMOE_SOLO=0``, where on the
+  green contexts role 3 runs beside role 2 (every role-3 CTA counts itself in), on the stream's context it runs
+  after role 2 (none does): the setting reached the runtime."""
+  from gcmoe_jax.ffi import _cuda
+  from gcmoe_jax.kernels import abi, build
+  monkeypatch.setenv("GCMOE_SYNC_CHECK", "1")
+  for where in ("green", "stream"):
+    monkeypatch.setenv("GCMOE_GRAPH_CONTEXT", where)
+    for tokens in (5, 12, 40, 200):
+      monkeypatch.setenv("GCMOE_SOLO", "0" if tokens == 5 else "1")
+      shape = dataclasses.replace(SMALL, tokens=tokens, shared_intermediate=256 if shared else None,
+                                  shared_group=shared or 128)
+      # A clamp of its own: the runtime (and so the workspace read back) is this loop's, not a cached one.
+      clamp = 10.25 + tokens / 1024 + (1 / 128 if shared else 0) + (1 / 512 if where == "stream" else 0)
+      problems = [quantized(make_problem("default", shape, seed=170 + 5 * tokens + i)) for i in range(3)]
+      w0 = problems[0][1]
+      inputs = [(x, r, np.asarray(emulated(x, w0, r.ids, r.weights, clamp=clamp)).view(np.uint16))
+                for x, _, r in problems]
+      step = jax.jit(lambda x, r, clamp=clamp, w0=w0: gm.moe(x, w0, r, clamp=clamp, backend="cuda"))
+      variant = build.Variant(shape.hidden, shape.intermediate, shape.experts, shape.top_k,
+                              _cuda.capacity_for(tokens), 256 if shared else None, shared)
+      ws = variant.workspace("v2")
+      epochs = []
+      for n in range(6):
+        x, r, want = inputs[n % 3]
+        y = step(x, r)
+        np.testing.assert_array_equal(np.asarray(y).view(np.uint16), want, err_msg=f"{where} T={tokens} call {n}")
+        raw = _cuda.debug_read_workspace(0, ws.total)
+        header = np.frombuffer(raw, np.uint32, abi.HEADER_BYTES // 4)
+        epochs.append(int(header[abi.HEADER["epoch"] // 4]))
+      assert epochs == list(range(epochs[0], epochs[0] + 6)), (where, tokens, epochs)
+      assert int(header[abi.HEADER["solo"] // 4]) == 0
+      if tokens == 5:
+        args = (variant.experts, variant.capacity, variant.shared)
+        words, at = abi.counter_words(*args), abi.role2_done(*args)
+        last = np.frombuffer(raw, np.uint32, words, ws.counters + 4 * words * (epochs[-1] & 1))
+        print(f"\n  GCMOE_GRAPH_CONTEXT={where} T=5 GCMOE_SOLO=0: role-3 CTAs beside role 2 {last[at + 1]}")
+        assert last[at + 1] == (tokens if where == "green" else 0)
+
+
 _KPAIR_CHECK = r"""
 import sys
 import jax, jax.numpy as jnp, numpy as np

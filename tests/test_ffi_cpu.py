@@ -498,7 +498,7 @@ def test_fused_variant_registration_checks_its_peer_groups(ranks, devices, ok):
   a group mixing two of this process's devices with another process's, ordinals without R > 1 and R past
   abi.MAX_RANKS, naming what it got."""
   _register_or_refuse(f"fused-registration-{ranks}-{devices}", (8, 6, 10**9, 4096, 256, 0, ranks, 0, 0, 0, 0,
-                                                                 *devices),
+                                                                 0, *devices),
                       None if ok else rf"the fused transport needs R in \[2, {abi.MAX_RANKS}\] and its peer groups' "
                                       rf"devices .* got R = {ranks} and {len(devices)} devices")
 
@@ -515,7 +515,7 @@ def test_role2_alone_registration_checks_its_sizes(solo_tokens, per_token, ranks
   naming it."""
   devices = (0, 1) if ranks > 1 else ()
   _register_or_refuse(f"solo-registration-{solo_tokens}-{per_token}-{ranks}",
-                      (8, 6, 10**9, 4096, 256, 0, ranks, 8, solo_tokens, per_token, 0, *devices),
+                      (8, 6, 10**9, 4096, 256, 0, ranks, 8, solo_tokens, per_token, 0, 0, *devices),
                       None if ok else rf"role 2 alone needs .* got solo tokens {solo_tokens}, combining CTAs per "
                                       rf"token {per_token}, capacity 8, R = {ranks}")
 
@@ -556,6 +556,46 @@ def test_solo_sms_reaches_the_registration(monkeypatch):
     _config.get("GCMOE_SOLO_SMS")
 
 
+@pytest.mark.parametrize("on_stream, ranks, ok", [(0, 1, True), (1, 1, True), (1, 2, False), (2, 1, False),
+                                                  (-1, 1, False)])
+def test_graph_on_the_stream_context_registration(on_stream, ranks, ok):
+  """config[11] (`GCMOE_GRAPH_CONTEXT`): the three-node graph on the green contexts (0) or on the stream's own
+  context (1), and 1 only on one GPU; anything else is refused, naming it (peer devices follow from config[12])."""
+  devices = (0, 1) if ranks > 1 else ()
+  _register_or_refuse(f"graph-context-registration-{on_stream}-{ranks}",
+                      (8, 6, 10**9, 4096, 256, 0, ranks, 0, 0, 0, 0, on_stream, *devices),
+                      None if ok else rf"where the three-node graph runs is 0 .* got {on_stream} with R = {ranks}")
+
+
+def test_graph_context_reaches_the_registration(monkeypatch):
+  """`GCMOE_GRAPH_CONTEXT=stream` registers the three-node graph on the stream's own context (config[11] = 1, under
+  its own key) on one GPU only; `green` (the default) keeps the green contexts; a value other than green or stream
+  is refused naming the variable."""
+  from gcmoe_jax import _config
+  from gcmoe_jax.ffi import _cuda
+  from gcmoe_jax.kernels import build
+  seen = {}
+  monkeypatch.setattr(_cuda, "register_raw", lambda key, config, *a, **k: seen.update({key: config}))
+  monkeypatch.setattr(build, "load_or_build", lambda arch, variant: _FakeBuilt())
+  monkeypatch.setattr(build, "generation", lambda: "v2")
+  monkeypatch.delenv("GCMOE_GRAPH_CONTEXT", raising=False)
+  assert _config.get("GCMOE_GRAPH_CONTEXT") == "green"
+  _cuda._register.cache_clear()
+  keys = {}
+  for ranks in (1, 2):
+    variant = build.Variant(512, 256, 8, 4, 16, ranks=ranks)
+    for where in ("green", "stream"):
+      keys[ranks, where] = key = _cuda._register("sm_90a", variant, 6, 128, 10**9, peer_devices=(0, 1)[:ranks],
+                                                 graph_context=where)
+      assert seen[key][11] == int(ranks == 1 and where == "stream"), (ranks, where, seen[key])
+  assert keys[1, "stream"].endswith(":stream") and keys[1, "green"] != keys[1, "stream"]
+  assert keys[2, "green"] == keys[2, "stream"]  # the fused transport's ranks keep their partitions
+  _cuda._register.cache_clear()
+  monkeypatch.setenv("GCMOE_GRAPH_CONTEXT", "primary")
+  with pytest.raises(ValueError, match="GCMOE_GRAPH_CONTEXT.*expected green or stream"):
+    _config.get("GCMOE_GRAPH_CONTEXT")
+
+
 class _FakeBuilt:
   """A `build.BuiltVariant` stand-in for registration tests: launch shapes and empty cubins."""
 
@@ -567,6 +607,9 @@ class _FakeBuilt:
 
   def tensormap_fields(self) -> tuple[int, ...]:
     return ()
+
+  def dispatch_grid(self, sms: int) -> int:
+    return max(1, sms)
 
 
 def _w13_map(**change) -> dict:

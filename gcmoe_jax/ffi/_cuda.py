@@ -114,8 +114,9 @@ def register_raw(key: str, config: tuple[int, ...], launch: tuple[int, ...], cub
       GPU)[, the tokens up to which role 3 may run beside role 2 (`abi.FINALIZE_EARLY_TOKENS`; 0 or absent: never)[,
       the tokens up to which the graph holds role 2 alone (`abi.scan_tokens`; 0 or absent: never), role 2's
       combining CTAs per token there (`abi.solo_ctas`)[, where role 2 alone runs (0: the compute partition, 1: every
-      SM, ``GCMOE_SOLO_SMS=all``)[, with R > 1 the CUDA ordinals of the fused transport's peer groups,
-      group-major]]]]]]).
+      SM, ``GCMOE_SOLO_SMS=all``)[, where the three-node graph runs (0: the green contexts, 1: the stream's own
+      context, one GPU only, ``GCMOE_GRAPH_CONTEXT=stream``)[, with R > 1 the CUDA ordinals of the fused transport's
+      peer groups, group-major]]]]]]]).
     launch: (grid, block, dynamic SMEM) of roles 1, 2, 3; grid 0 is the runtime's choice.
     cubins: the three role cubins. silu: the float32 table of `reference.silu_table`.
     tensormaps: role 2's TensorMaps (`build.BuiltVariant.tensormap_fields`): the runtime encodes them from the
@@ -149,7 +150,7 @@ def workspace_bytes(ws: abi.Workspace) -> int:
 @functools.lru_cache(maxsize=None)
 def _register(arch: str, variant: build.Variant, dispatch_sms: int, compute_sms: int, timeout_ns: int,
               peer_devices: tuple[int, ...] = (), partition_dispatch_sms: int = 0, solo: bool = True,
-              solo_sms: str = "all") -> str:
+              solo_sms: str = "all", graph_context: str = "green") -> str:
   ablation = _config.get("GCMOE_ABLATION")
   if ablation:
     # A timing build (docs/kernels_v2.md) must never pass for the operator: say so at every variant it serves.
@@ -166,9 +167,12 @@ def _register(arch: str, variant: build.Variant, dispatch_sms: int, compute_sms:
   solo_tokens = abi.scan_tokens(variant.top_k, variant.capacity) if one_gpu_v2 and solo else 0
   # Role 2 alone over every SM (GCMOE_SOLO_SMS=all) or on the compute partition.
   solo_all = int(bool(solo_tokens) and solo_sms == "all")
-  key += f":s{solo_tokens}" + (":all" if solo_all else "")
+  # The three-node graph on the stream's own context (GCMOE_GRAPH_CONTEXT=stream), one GPU only.
+  on_stream = int(variant.ranks == 1 and graph_context == "stream")
+  key += f":s{solo_tokens}" + (":all" if solo_all else "") + (":stream" if on_stream else "")
   config = (variant.capacity, dispatch_sms, timeout_ns, workspace_bytes(ws), ws.silu_table, compute_sms,
-            variant.ranks, early, solo_tokens, abi.solo_ctas(variant.hidden, 1) if solo_tokens else 0, solo_all)
+            variant.ranks, early, solo_tokens, abi.solo_ctas(variant.hidden, 1) if solo_tokens else 0, solo_all,
+            on_stream)
   launch = tuple(v for r in (1, 2, 3) for v in built.launch(r, compute_sms))
   if variant.ranks > 1:
     # The fused transport: the CUDA ordinals of every peer group, group-major; role 1's pulls spread over the
@@ -216,7 +220,7 @@ def prepare(hidden: int, intermediate: int, experts: int, top_k: int, tokens: in
     raise ValueError("moe: the green-context split cannot run here: " + "; ".join(problems))
   key = _register(s.reason, variant, partition.dispatch_requested, partition.compute_sms, timeout_ns,
                   tuple(d for g in peer_groups for d in g), partition.dispatch_sms if peer_groups else 0,
-                  _config.get("GCMOE_SOLO"), _config.get("GCMOE_SOLO_SMS"))
+                  _config.get("GCMOE_SOLO"), _config.get("GCMOE_SOLO_SMS"), _config.get("GCMOE_GRAPH_CONTEXT"))
   if any(d < 0 for g in peer_groups for d in g):
     connect_processes(key, f"{build.cache_key(s.reason, variant)}.g{len(peer_groups)}", peer_groups, exchange)
   return key
