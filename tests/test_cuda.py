@@ -328,6 +328,32 @@ def test_up_to_eight_tokens_role3_runs_beside_role2(shared, monkeypatch):
       assert grid2 == 0 and last[at] > 0 and last[at + 1] == 0
 
 
+def _exact_rotating_calls(shape, clamp, seed, calls, label):
+  """``calls`` jitted CUDA calls of one layer (`shape`, with its shared expert if it has one) over three rotating
+  inputs (seeds ``seed`` .. ``seed + 2``: a stale y would show), each bit-exact to the oracle. Returns the jitted
+  step, the inputs (x, routes, the oracle's y as uint16), the kernel variant, its workspace layout, the last call's
+  workspace bytes and the epoch read after each call."""
+  from gcmoe_jax.ffi import _cuda
+  from gcmoe_jax.kernels import abi, build
+  problems = [quantized(make_problem("default", shape, seed=seed + i)) for i in range(3)]
+  w0 = problems[0][1]  # one layer's weights, three inputs
+  inputs = [(x, r, np.asarray(emulated(x, w0, r.ids, r.weights, clamp=clamp)).view(np.uint16))
+            for x, _, r in problems]
+  step = jax.jit(lambda x, r: gm.moe(x, w0, r, clamp=clamp, backend="cuda"))
+  shared = shape.shared_group if shape.shared_intermediate else None
+  variant = build.Variant(shape.hidden, shape.intermediate, shape.experts, shape.top_k,
+                          _cuda.capacity_for(shape.tokens), shape.shared_intermediate, shared)
+  ws = variant.workspace("v2")
+  epochs = []
+  for n in range(calls):
+    x, r, want = inputs[n % 3]
+    y = step(x, r)
+    np.testing.assert_array_equal(np.asarray(y).view(np.uint16), want, err_msg=f"{label} call {n}")
+    raw = _cuda.debug_read_workspace(0, ws.total)
+    epochs.append(int(np.frombuffer(raw, np.uint32, abi.HEADER_BYTES // 4)[abi.HEADER["epoch"] // 4]))
+  return step, inputs, variant, ws, raw, epochs
+
+
 @pytest.mark.parametrize("shared", [None, 32], ids=["routed", "shared32"])
 def test_up_to_eight_tokens_role2_runs_alone(shared, monkeypatch):
   """One GPU, up to `abi.scan_tokens` tokens: the graph holds role 2 alone (`abi.TOKENS_SOLO`); its CTAs list the
@@ -337,8 +363,7 @@ def test_up_to_eight_tokens_role2_runs_alone(shared, monkeypatch):
   (beside role 2, every role-3 CTA); an id >= E under ``jit`` raises naming it and the next call is exact again;
   with ``GCMOE_SOLO_SMS=all`` (role 2 alone over every SM) the same at T = 1, 5, 8, with more item CTAs than on the
   compute partition; and with ``GCMOE_SOLO=0`` the graph has all three roles again, exact."""
-  from gcmoe_jax.ffi import _cuda
-  from gcmoe_jax.kernels import abi, build
+  from gcmoe_jax.kernels import abi
   monkeypatch.setenv("GCMOE_SYNC_CHECK", "1")
   items_done = {}
   for solo_env, sms, tokens_list in (("1", "compute", (1, 5, 8, 9)), ("1", "all", (1, 5, 8)), ("0", "compute", (2,))):
@@ -350,22 +375,9 @@ def test_up_to_eight_tokens_role2_runs_alone(shared, monkeypatch):
       # A clamp of its own: the runtime (and so the workspace read back) is this loop's, not a cached one.
       clamp = (11.5 + tokens / 64 + (1 / 128 if shared else 0) + (1 / 256 if solo_env == "0" else 0)
                + (1 / 512 if sms == "all" else 0))
-      problems = [quantized(make_problem("default", shape, seed=90 + 7 * tokens + i)) for i in range(3)]
-      w0 = problems[0][1]  # one layer's weights, three inputs
-      inputs = [(x, r, np.asarray(emulated(x, w0, r.ids, r.weights, clamp=clamp)).view(np.uint16))
-                for x, _, r in problems]
-      step = jax.jit(lambda x, r, clamp=clamp, w0=w0: gm.moe(x, w0, r, clamp=clamp, backend="cuda"))
-      variant = build.Variant(shape.hidden, shape.intermediate, shape.experts, shape.top_k,
-                              _cuda.capacity_for(tokens), 256 if shared else None, shared)
-      ws = variant.workspace("v2")
-      epochs = []
-      for n in range(12):
-        x, r, want = inputs[n % 3]
-        y = step(x, r)
-        np.testing.assert_array_equal(np.asarray(y).view(np.uint16), want, err_msg=f"T={tokens} call {n}")
-        raw = _cuda.debug_read_workspace(0, ws.total)
-        header = np.frombuffer(raw, np.uint32, abi.HEADER_BYTES // 4)
-        epochs.append(int(header[abi.HEADER["epoch"] // 4]))
+      step, inputs, variant, ws, raw, epochs = _exact_rotating_calls(shape, clamp, 90 + 7 * tokens, 12,
+                                                                     f"T={tokens}")
+      header = np.frombuffer(raw, np.uint32, abi.HEADER_BYTES // 4)
       alone = solo_env == "1" and tokens <= abi.scan_tokens(shape.top_k, variant.capacity)
       combining = int(header[abi.HEADER["solo"] // 4])
       args = (variant.experts, variant.capacity, variant.shared)
@@ -396,8 +408,7 @@ def test_three_role_graph_on_the_stream_context_is_exact(shared, monkeypatch):
   bit-exact to the oracle, the epoch advancing by one per call; and at T = 5 with ``GCMOE_SOLO=0``, where on the
   green contexts role 3 runs beside role 2 (every role-3 CTA counts itself in), on the stream's context it runs
   after role 2 (none does): the setting reached the runtime."""
-  from gcmoe_jax.ffi import _cuda
-  from gcmoe_jax.kernels import abi, build
+  from gcmoe_jax.kernels import abi
   monkeypatch.setenv("GCMOE_SYNC_CHECK", "1")
   for where in ("green", "stream"):
     monkeypatch.setenv("GCMOE_GRAPH_CONTEXT", where)
@@ -407,22 +418,9 @@ def test_three_role_graph_on_the_stream_context_is_exact(shared, monkeypatch):
                                   shared_group=shared or 128)
       # A clamp of its own: the runtime (and so the workspace read back) is this loop's, not a cached one.
       clamp = 10.25 + tokens / 1024 + (1 / 128 if shared else 0) + (1 / 512 if where == "stream" else 0)
-      problems = [quantized(make_problem("default", shape, seed=170 + 5 * tokens + i)) for i in range(3)]
-      w0 = problems[0][1]
-      inputs = [(x, r, np.asarray(emulated(x, w0, r.ids, r.weights, clamp=clamp)).view(np.uint16))
-                for x, _, r in problems]
-      step = jax.jit(lambda x, r, clamp=clamp, w0=w0: gm.moe(x, w0, r, clamp=clamp, backend="cuda"))
-      variant = build.Variant(shape.hidden, shape.intermediate, shape.experts, shape.top_k,
-                              _cuda.capacity_for(tokens), 256 if shared else None, shared)
-      ws = variant.workspace("v2")
-      epochs = []
-      for n in range(6):
-        x, r, want = inputs[n % 3]
-        y = step(x, r)
-        np.testing.assert_array_equal(np.asarray(y).view(np.uint16), want, err_msg=f"{where} T={tokens} call {n}")
-        raw = _cuda.debug_read_workspace(0, ws.total)
-        header = np.frombuffer(raw, np.uint32, abi.HEADER_BYTES // 4)
-        epochs.append(int(header[abi.HEADER["epoch"] // 4]))
+      _, _, variant, ws, raw, epochs = _exact_rotating_calls(shape, clamp, 170 + 5 * tokens, 6,
+                                                             f"{where} T={tokens}")
+      header = np.frombuffer(raw, np.uint32, abi.HEADER_BYTES // 4)
       assert epochs == list(range(epochs[0], epochs[0] + 6)), (where, tokens, epochs)
       assert int(header[abi.HEADER["solo"] // 4]) == 0
       if tokens == 5:
