@@ -243,6 +243,79 @@ def test_cli_writes_reports(tmp_path, capsys):
   assert (tmp_path / "bench_custom.csv").exists() and (tmp_path / "bench_custom.png").exists()
 
 
+_AB_TINY = ["--model", "custom", "--experts", "4", "--hidden", "512", "--intermediate", "256", "--topk", "2",
+            "--batch", "1,2", "--iters", "1", "--warmup", "1", "--chain", "1", "--back-to-back", "1", "--bandwidth",
+            "10", "--fp8-tflops", "1"]
+
+
+def test_ab_runs_each_setting_in_its_own_process_and_reports_the_changes(tmp_path, capsys):
+  """``--ab`` twice: one sweep per setting, each in a child process with its variables set, the report a row per
+  point with each setting's latency and the change against the first, and a CSV of every child's points; a setting
+  under which the sweep fails stops the run with exit 1, naming the setting and showing the child's output."""
+  impl = "gcmoe:cpu" if dict(gm.explain().reasons)["cpu"].ok else "ragged_dot"
+  rc = cli.main(["bench", *_AB_TINY, "--impl", impl, "--ab", "", "--ab", "GCMOE_WAIT_TIMEOUT_MS=1500", "--rounds",
+                 "1", "--out", str(tmp_path)])
+  out = capsys.readouterr()
+  assert rc == 0, out.err
+  assert "| impl | B | 0: (as is) | 1: GCMOE_WAIT_TIMEOUT_MS=1500 |" in out.out
+  assert re.search(rf"\| {impl} \| 1 \| [0-9.]+ \([0-9.]+\) \| [0-9.]+ \([0-9.]+\) \*\*[+-][0-9.]+ %\*\* \|",
+                   out.out), out.out
+  with open(tmp_path / "ab_custom.csv", newline="") as f:
+    rows = list(csv.DictReader(f))
+  assert sorted((r["setting"], r["env"], r["batch"]) for r in rows) == [
+    ("0", "(as is)", "1"), ("0", "(as is)", "2"), ("1", "GCMOE_WAIT_TIMEOUT_MS=1500", "1"),
+    ("1", "GCMOE_WAIT_TIMEOUT_MS=1500", "2")]
+  assert all(float(r["latency_us"]) > 0 for r in rows)
+  assert (tmp_path / "ab" / "s1_r0" / "bench_custom.csv").exists()
+  # The setting reaches the child's environment: a platform jax does not know makes that child fail.
+  rc = cli.main(["bench", *_AB_TINY, "--impl", "ragged_dot", "--ab", "", "--ab", "JAX_PLATFORMS=nosuchplatform",
+                 "--rounds", "1", "--out", str(tmp_path / "failing")])
+  err = capsys.readouterr().err
+  assert rc == 1
+  assert "bench: --ab setting 1 (JAX_PLATFORMS=nosuchplatform), round 1: the sweep exited with" in err
+  assert "nosuchplatform" in err.split("the sweep exited with", 1)[1]
+
+
+@pytest.mark.parametrize("argv, match", [
+  (["--ab", "GCMOE_SOLO_SMS=all"], r"bench: --ab needs at least two settings to compare, got 1"),
+  (["--ab", "", "--ab", "GCMOE_SOLO_SMS"], r"bench: --ab 'GCMOE_SOLO_SMS': expected space-separated NAME=VALUE"),
+  (["--ab", "", "--ab", "GCMOE_SOLO_SMZ=all"], r"bench: --ab 'GCMOE_SOLO_SMZ=all': GCMOE_SOLO_SMZ is not a gcmoe_jax "
+                                                r"setting"),
+  (["--ab", "", "--ab", "GCMOE_SOLO_SMS=most"], r"bench: --ab 'GCMOE_SOLO_SMS=most': GCMOE_SOLO_SMS must be compute "
+                                                 r"or all, got 'most'"),
+  (["--ab", "", "--ab", "A=1 A=2"], r"bench: --ab 'A=1 A=2': A is set twice"),
+  (["--ab", "", "--ab", "A=1", "--rounds", "0"], r"bench: --rounds must be >= 1, got 0"),
+  (["--rounds", "2"], r"bench: --rounds applies only with --ab, got --rounds 2 without it"),
+  (["--model", "glm5.2", "--experts", "4", "--ab", "", "--ab", "A=1"],
+   "bench: --experts applies only to --model custom, got --model glm5.2"),
+])
+def test_ab_argument_errors(argv, match, capsys):
+  """Every --ab / --rounds mistake is refused before any sweep runs, naming the argument and what is accepted."""
+  assert cli.main(["bench", *argv]) == 2
+  assert re.match(match, capsys.readouterr().err)
+
+
+def test_ab_children_get_every_option_of_the_parent():
+  """The arguments a child sweep gets parse to the parent's own (but --ab, --rounds and --out): an option added to
+  `bench` and not passed on would make the A/B compare something else than what was asked."""
+  import argparse
+
+  from gcmoe_jax.commands import bench
+  parser = argparse.ArgumentParser()
+  bench.register(parser.add_subparsers())
+  full = ["bench", "--model", "custom", "--experts", "8", "--hidden", "1024", "--intermediate", "512", "--topk", "3",
+          "--shared", "--shared-intermediate", "768", "--ranks", "4", "--batch", "1,3", "--impl",
+          "ragged_dot,gcmoe:cpu", "--iters", "7", "--warmup", "3", "--clamp", "7.5", "--seed", "11",
+          "--max-gather-gib", "2.5", "--bandwidth", "1234.5", "--bandwidth-mib", "96", "--fp8-tflops", "987.5",
+          "--chain", "5", "--back-to-back", "3", "--ab", "", "--ab", "A=1", "--rounds", "3", "--out", "x"]
+  for argv in (full, ["bench"]):
+    parent = vars(parser.parse_args(argv))
+    child = vars(parser.parse_args(["bench", *bench._child_argv(argparse.Namespace(**parent))]))
+    for drop in ("ab", "rounds", "out", "func"):
+      parent.pop(drop), child.pop(drop)
+    assert child == parent
+
+
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_the_fused_benchs_collective_reference_equals_the_oracle(ranks):
   """`bench.fused.collective_on_one_gpu` (the collective transport's program for R ranks on one device, under

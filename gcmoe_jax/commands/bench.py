@@ -5,6 +5,8 @@ Examples:
   python -m gcmoe_jax bench --model glm5.2 --shared --out bench-glm          # per-rank GLM5.2, B = 1 .. 256
   python -m gcmoe_jax bench --model dsv4.1-flash --batch 1,16,256 --impl ragged_dot,gcmoe:cuda --iters 50
   python -m gcmoe_jax bench --model custom --experts 16 --hidden 2048 --intermediate 1024 --topk 4 --batch 1,4
+  python -m gcmoe_jax bench --model glm5.2 --batch 16,64 --impl gcmoe:cuda --bandwidth 2800 \\
+    --ab GCMOE_GRAPH_CONTEXT=green --ab GCMOE_GRAPH_CONTEXT=stream --rounds 2      # A/B in one machine session
 
 Writes ``bench_<model>.csv`` and ``bench_<model>.png`` to ``--out`` and prints a Markdown table.
 """
@@ -69,6 +71,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       f"dispatches twice as many, and their difference is the latency without what a run pays once "
                       f"(default {sweep.DEFAULT_BACK_TO_BACK})")
   p.add_argument("--out", default="bench-results", help="directory for the CSV and PNG (default bench-results)")
+  p.add_argument("--ab", action="append", default=[], metavar="SETTING",
+                 help="run the sweep once per --ab, each in its own process with SETTING's space-separated "
+                      "NAME=VALUE variables set ('' for the environment as it is), alternating for --rounds, and "
+                      "report each point's latency per setting and its change against the first "
+                      "(gcmoe_jax/bench/ab.py); repeat it, at least twice")
+  p.add_argument("--rounds", type=int, default=None,
+                 help="with --ab: rounds of the settings, alternating (default 2)")
   custom = p.add_argument_group("custom shape (--model custom)")
   custom.add_argument("--experts", type=int, help="local experts E")
   custom.add_argument("--hidden", type=int, help="hidden size H")
@@ -104,8 +113,54 @@ def _shape(args: argparse.Namespace):
   return shape, args.batch or (1, 8)
 
 
+def _child_argv(args: argparse.Namespace) -> list[str]:
+  """The arguments of one sweep of an A/B run: every option the parent was given, but --ab, --rounds and --out."""
+  argv = ["--model", args.model, "--ranks", str(args.ranks), "--iters", str(args.iters), "--warmup",
+          str(args.warmup), "--seed", str(args.seed), "--max-gather-gib", repr(args.max_gather_gib), "--chain",
+          str(args.chain), "--back-to-back", str(args.back_to_back)]
+  if args.batch is not None:
+    argv += ["--batch", ",".join(map(str, args.batch))]
+  if args.impl is not None:
+    argv += ["--impl", ",".join(args.impl)]
+  if args.shared:
+    argv.append("--shared")
+  for flag in ("clamp", "bandwidth", "bandwidth_mib", "fp8_tflops", *_CUSTOM_FLAGS, "shared_intermediate"):
+    value = getattr(args, flag)
+    if value is not None:
+      argv += ["--" + flag.replace("_", "-"), repr(value) if isinstance(value, float) else str(value)]
+  return argv
+
+
+def _run_ab(args: argparse.Namespace) -> int:
+  from gcmoe_jax.bench import ab
+
+  try:
+    settings = [ab.parse_setting(text) for text in args.ab]
+    _shape(args)  # the sweep's own argument errors, before any child runs
+    rounds = 2 if args.rounds is None else args.rounds
+    results = ab.run(_child_argv(args), settings, rounds, args.out, args.model)
+  except ValueError as e:
+    print(e, file=sys.stderr)
+    return 2
+  except RuntimeError as e:
+    print(e, file=sys.stderr)
+    return 1
+  print(f"\nlatency per layer, us: the mean over {rounds} round(s), each round's median in brackets; the change "
+        f"against setting 0's mean\n")
+  print(ab.to_markdown(results, settings))
+  path = os.path.join(args.out, f"ab_{args.model}.csv")
+  ab.write_csv(results, settings, path)
+  print(f"\nwrote {path} (each sweep's CSV and PNG under {os.path.join(args.out, 'ab')})")
+  return 0
+
+
 def run(args: argparse.Namespace) -> int:
   """Runs the sweep and writes the reports; returns 0, or 2 for unusable arguments."""
+  if args.ab:
+    return _run_ab(args)
+  if args.rounds is not None:
+    print(f"bench: --rounds applies only with --ab, got --rounds {args.rounds} without it", file=sys.stderr)
+    return 2
   import jax
 
   import gcmoe_jax as gm
