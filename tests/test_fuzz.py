@@ -1,7 +1,6 @@
 """Issue 12: hypothesis-driven random shapes within Table 10 and random routing, cpu backend vs the oracle, bit
 for bit."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
