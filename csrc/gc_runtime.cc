@@ -150,7 +150,22 @@ struct GreenPair {
   Partition partition;
   CUgreenCtx green[2] = {nullptr, nullptr};
   CUcontext ctx[2] = {nullptr, nullptr};  // dispatch, compute
+  // Debug (GCMOE_DEBUG_WHOLE_GREEN=1): a third green context holding every SM, for the nodes the runtime otherwise
+  // puts on the stream's own context; null without the switch.
+  CUgreenCtx whole_green = nullptr;
+  CUcontext whole = nullptr;
 };
+
+// GCMOE_DEBUG_WHOLE_GREEN=1 (read once): where the runtime puts a node on the stream's own context (role 2 alone
+// over every SM; GCMOE_GRAPH_CONTEXT=stream), a green context of every SM takes it instead: the same SMs, a green
+// context's launch, so that a timing tells the context switch from the SM count.
+bool WholeGreenDebug() {
+  static const bool on = [] {
+    const char* v = std::getenv("GCMOE_DEBUG_WHOLE_GREEN");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  return on;
+}
 
 std::mutex& GreenMutex() {
   static std::mutex* m = new std::mutex;
@@ -192,6 +207,12 @@ std::string SplitDevice(const CudaDriver& cu_, CUdevice device, unsigned request
     GCMOE_CU(cu_.cuGreenCtxCreate(&g.green[i], desc[i], device, CU_GREEN_CTX_DEFAULT_STREAM));
     GCMOE_CU(cu_.cuCtxFromGreenCtx(&g.ctx[i], g.green[i]));
   }
+  if (WholeGreenDebug()) {
+    CUdevResourceDesc whole;
+    GCMOE_CU(cu_.cuDevResourceGenerateDesc(&whole, &all, 1));
+    GCMOE_CU(cu_.cuGreenCtxCreate(&g.whole_green, whole, device, CU_GREEN_CTX_DEFAULT_STREAM));
+    GCMOE_CU(cu_.cuCtxFromGreenCtx(&g.whole, g.whole_green));
+  }
   return "";
 }
 
@@ -204,7 +225,7 @@ std::string AcquireGreenPair(const CudaDriver& cu, CUdevice device, unsigned req
     auto g = std::make_unique<GreenPair>();
     std::string err = SplitDevice(cu, device, requested, g.get());
     if (!err.empty()) {
-      for (CUgreenCtx gc : g->green)
+      for (CUgreenCtx gc : {g->green[0], g->green[1], g->whole_green})
         if (gc) cu.cuGreenCtxDestroy(gc);
       pairs->erase({device, requested});
       return err;
@@ -600,6 +621,7 @@ std::string Runtime::Init(std::shared_ptr<const VariantSpec> spec, CUstream stre
   }
   role_ctx_[0] = pair->ctx[0];
   role_ctx_[1] = pair->ctx[1];
+  stream_ctx_ = pair->whole != nullptr ? pair->whole : primary_;
   // Debug (GCMOE_DEBUG_PRIMARY_CTX=1, read once): every role on the primary context, the grids still sized by the
   // split. Not the virtual ranks' runtimes (ForRank): their partitions are what keeps the ranks apart.
   static const bool primary_only = [] {
@@ -617,6 +639,7 @@ std::shared_ptr<Runtime> Runtime::ForRank(const CudaDriver& cu, std::shared_ptr<
   std::shared_ptr<Runtime> rt(new Runtime(cu));
   rt->spec_ = std::move(spec);
   rt->primary_ = primary;
+  rt->stream_ctx_ = primary;  // (unused: a rank's roles keep their partitions)
   rt->device_ = device;
   rt->partition_ = partition;
   rt->role_ctx_[0] = ctx[0];
@@ -649,12 +672,12 @@ std::string Runtime::Build(int64_t tokens, float clamp) {
   // item grid scaled from the compute partition's SMs to the device's below. The kernel sizes everything grid-wide by
   // its grid, so only the residency check (eq. 6) needs the larger SM count.
   const bool all_sms = solo_ && s.solo_all_sms != 0;
-  if (all_sms) role_ctx_[1] = primary_;
+  if (all_sms) role_ctx_[1] = stream_ctx_;
   // The three-node graph on the stream's own context (VariantSpec::graph_on_stream, one GPU): no green-context switch
   // on the layer's critical path. Role 2's grid stays the compute partition's; what the partition guaranteed, that
   // role 1 becomes resident beside all of role 2, is checked by count below. Role 3 then runs after role 2.
   const bool on_stream = !solo_ && group_ == nullptr && s.ranks == 1 && s.graph_on_stream != 0;
-  if (on_stream) role_ctx_[0] = role_ctx_[1] = primary_;
+  if (on_stream) role_ctx_[0] = role_ctx_[1] = stream_ctx_;
   bool beside = !solo_ && group_ == nullptr && s.ranks == 1 && tokens <= s.finalize_early_tokens &&
                 role_ctx_[0] != role_ctx_[1];
   role_ctx_[2] = role_ctx_[beside ? 0 : 1];

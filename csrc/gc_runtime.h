@@ -171,6 +171,9 @@ class Runtime {
   const CudaDriver& cu_;
   std::shared_ptr<const VariantSpec> spec_;
   CUcontext primary_ = nullptr;
+  // Where a node goes that the runtime puts on the stream's own context: primary_, or with GCMOE_DEBUG_WHOLE_GREEN=1
+  // a green context of every SM (Init).
+  CUcontext stream_ctx_ = nullptr;
   CUdevice device_ = 0;
   Partition partition_;
   std::array<RoleSpec, kNumRoles> launch_;  // the launch triples in use (auto grids resolved; no cubin bytes)

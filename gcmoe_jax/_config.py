@@ -3,8 +3,8 @@
 Read them through `get`; `python -m gcmoe_jax doctor` lists them all, with their values, and names any set
 ``GCMOE_*``/``GC_MOE_*`` variable that is not one of them (a misspelt setting is otherwise ignored without a word).
 Variables that change kernels or geometry enter the kernel variant key and the plan. Two are read by the C++
-runtime itself (`GCMOE_DEBUG_TRACE`, `GCMOE_DEBUG_PRIMARY_CTX`: only the value 1 turns them on there), so they are
-declared here for doctor and the docs, and checked to be exactly 0 or 1.
+runtime itself (`GCMOE_DEBUG_TRACE`, `GCMOE_DEBUG_PRIMARY_CTX`, `GCMOE_DEBUG_WHOLE_GREEN`: only the value 1 turns them
+on there), so they are declared here for doctor and the docs, and checked to be exactly 0 or 1.
 """
 
 from __future__ import annotations
@@ -159,6 +159,11 @@ VARS = {v.name: v for v in (
   Var("GCMOE_DEBUG_PRIMARY_CTX", _zero_one, False, "debugging, read once by the C++ runtime: every role on the "
                                                    "primary context instead of its green context, the grids still "
                                                    "sized by the partition (docs/cuda_runtime.md \"Debug switches\")"),
+  Var("GCMOE_DEBUG_WHOLE_GREEN", _zero_one, False, "debugging, read once by the C++ runtime: the nodes it puts on "
+                                                   "the stream's own context (role 2 alone over every SM, "
+                                                   "GCMOE_GRAPH_CONTEXT=stream) go on a green context of every SM "
+                                                   "instead, to tell the context switch from the SM count "
+                                                   "(docs/cuda_runtime.md \"Debug switches\")"),
   Var("GCMOE_TEST_LEVEL", _test_level, "quick", "tests only: quick (the default) or full (adds the long CPU "
                                                 "sweeps of the test suite)"),
 )}

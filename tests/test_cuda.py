@@ -497,6 +497,47 @@ def test_the_kpair_build_matches_the_oracle_bit_for_bit():
   assert run.returncode == 0, run.stdout + run.stderr[-3000:]
 
 
+_WHOLE_GREEN_CHECK = r"""
+import sys
+import jax, jax.numpy as jnp, numpy as np
+import gcmoe_jax as gm
+from gcmoe_jax import reference
+
+emulated = jax.jit(reference.moe_emulated, static_argnames=("clamp",))
+rng = np.random.default_rng(11)
+h, i, e, k = 512, 256, 8, 4
+k1, k2 = jax.random.split(jax.random.key(3))
+w = gm.quantize_experts(jax.random.normal(k1, (e, h, 2 * i)) / np.sqrt(h), jax.random.normal(k2, (e, i, h)) / np.sqrt(i))
+bad = 0
+for t in (1, 5, 12, 40):  # role 2 alone over every SM (T <= 8), the three-node graph on the stream's context
+  step = jax.jit(lambda x, r: gm.moe(x, w, r, clamp=9.0, backend="cuda"))
+  for n in range(3):
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+    ids = jnp.asarray(np.argsort(rng.random((t, e)), axis=1)[:, :k], jnp.int32)
+    rw = jnp.asarray(rng.random((t, k)) + 0.1, jnp.float32)
+    y = np.asarray(step(x, gm.Routes(ids, rw))).view(np.uint16)
+    same = float(np.mean(y == np.asarray(emulated(x, w, ids, rw, clamp=9.0)).view(np.uint16)))
+    print(f"T={t} call {n}: bit-exact share {same:.6f}")
+    bad += same != 1.0
+sys.exit(1 if bad else 0)
+"""
+
+
+def test_nodes_on_a_green_context_of_every_sm_match_the_oracle():
+  """``GCMOE_DEBUG_WHOLE_GREEN=1`` (docs/cuda_runtime.md "Debug switches"): the nodes the runtime puts on the stream's
+  own context, role 2 alone over every SM (T = 1, 5) and with ``GCMOE_GRAPH_CONTEXT=stream`` the three-node graph
+  (T = 12, 40), go on a green context of every SM instead, and give the oracle's bits, three calls each. In a process
+  of its own (the runtime reads the switch once)."""
+  import os
+  import subprocess
+  import sys
+  env = dict(os.environ, GCMOE_DEBUG_WHOLE_GREEN="1", GCMOE_GRAPH_CONTEXT="stream", GCMOE_SOLO_SMS="all")
+  run = subprocess.run([sys.executable, "-c", _WHOLE_GREEN_CHECK], env=env, capture_output=True, text=True,
+                       timeout=600)
+  print(run.stdout)
+  assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+
+
 # The paper's per-rank shapes (H, I, L, k), as the bench runs them (`bench.sweep.model_shape`: L = E / 8).
 PAPER = {name: (s.hidden, s.intermediate, s.experts, s.top_k)
          for name, s in ((n, sweep.model_shape(n)) for n in ("glm5.2", "dsv4.1-flash"))}
