@@ -155,7 +155,8 @@ def _run_ab(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-  """Runs the sweep and writes the reports; returns 0, or 2 for unusable arguments."""
+  """Runs the sweep (with --ab: one per setting, in child processes) and writes the reports; returns 0, 2 for
+  unusable arguments, or 1 where a sweep of an A/B failed."""
   if args.ab:
     return _run_ab(args)
   if args.rounds is not None:
