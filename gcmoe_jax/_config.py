@@ -22,12 +22,6 @@ class Var:
   help: str
 
 
-def _kernels(text: str) -> str:
-  if text not in ("v1", "v2"):
-    raise ValueError("expected v1 or v2")
-  return text
-
-
 def _ablation(text: str) -> str:
   if text not in ("", "nomath", "nogemm2", "widedecode", "tma", "static", "evenbodies",
                   "timeline", "nosingle", "twoplane", "stagebar", "sharedfirst",
@@ -51,28 +45,26 @@ def _positive_int(text: str) -> int:
   return value
 
 
-def _solo_sms(text: str) -> str:
-  if text not in ("compute", "all"):
-    raise ValueError("expected compute or all")
-  return text
+def _one_of(first: str, second: str) -> Callable[[str], str]:
+  """A parser of a setting that is one of two words, named by them (`get`'s error: "must be <first> or <second>")."""
+  def parse(text: str) -> str:
+    if text not in (first, second):
+      raise ValueError(f"expected {first} or {second}")
+    return text
+  parse.__name__ = f"{first} or {second}"
+  return parse
 
 
-def _graph_context(text: str) -> str:
-  if text not in ("green", "stream"):
-    raise ValueError("expected green or stream")
-  return text
+_kernels = _one_of("v1", "v2")
+_solo_sms = _one_of("compute", "all")
+_graph_context = _one_of("green", "stream")
+_test_level = _one_of("quick", "full")
 
 
 def _zero_one(text: str) -> bool:
   if text not in ("0", "1"):  # the C++ runtime reads exactly "1"; "true" there would silently mean off
     raise ValueError("expected 0 or 1")
   return text == "1"
-
-
-def _test_level(text: str) -> str:
-  if text not in ("quick", "full"):
-    raise ValueError("expected quick or full")
-  return text
 
 
 def _bool(text: str) -> bool:
@@ -86,13 +78,9 @@ def _bool(text: str) -> bool:
 # `get`'s error says "<NAME> must be <parser name>": each parser's name is what it accepts.
 _positive_int.__name__ = "a positive int"
 _wait_ms.__name__ = "a number of milliseconds"
-_kernels.__name__ = "v1 or v2"
 _ablation.__name__ = "an ablation name or empty"
 _bool.__name__ = "a boolean"
-_solo_sms.__name__ = "compute or all"
-_graph_context.__name__ = "green or stream"
 _zero_one.__name__ = "0 or 1"
-_test_level.__name__ = "quick or full"
 
 VARS = {v.name: v for v in (
   Var("GCMOE_FFI_LIBRARY", str, "", "path of libgcmoe_jax_ffi.so to load instead of the installed one"),
