@@ -686,9 +686,9 @@ std::string Runtime::Build(int64_t tokens, float clamp) {
   unsigned role_sms[kNumRoles] = {partition_.dispatch_sms, all_sms ? partition_.total_sms : partition_.compute_sms,
                                   beside ? partition_.dispatch_sms : partition_.compute_sms};
   if (on_stream) role_sms[0] = role_sms[1] = role_sms[2] = partition_.total_sms;
-  // Per role: threads, registers per thread, SMEM per CTA (static + dynamic): on one context a role-1 CTA must fit
-  // where a role-2 CTA would (below).
-  int64_t cta_use[kNumRoles][3] = {};
+  // Roles 1 and 2: threads, registers per thread, SMEM per CTA (static + dynamic): on one context a role-1 CTA must
+  // fit where a role-2 CTA would (below).
+  int64_t cta_use[2][3] = {};
   // A grid of 0 in the spec means: role 1 one CTA, role 2 one CTA per compute SM, role 3 one CTA per token.
   const unsigned auto_grid[kNumRoles] = {1u, partition_.compute_sms, static_cast<unsigned>(std::max<int64_t>(1, tokens))};
   for (int r = 0; r < kNumRoles; ++r) {
@@ -720,12 +720,14 @@ std::string Runtime::Build(int64_t tokens, float clamp) {
       role_ctx_[2] = role_ctx_[1];
       role_sms[r] = partition_.compute_sms;
     }
-    int regs = 0, static_smem = 0;
-    GCMOE_CU(cu_.cuFuncGetAttribute(&regs, CU_FUNC_ATTRIBUTE_NUM_REGS, fn));
-    GCMOE_CU(cu_.cuFuncGetAttribute(&static_smem, CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, fn));
-    cta_use[r][0] = role.block;
-    cta_use[r][1] = regs;
-    cta_use[r][2] = static_smem + static_cast<int64_t>(role.smem);
+    if (on_stream && r < 2) {  // (the green contexts' path asks the driver nothing more)
+      int regs = 0, static_smem = 0;
+      GCMOE_CU(cu_.cuFuncGetAttribute(&regs, CU_FUNC_ATTRIBUTE_NUM_REGS, fn));
+      GCMOE_CU(cu_.cuFuncGetAttribute(&static_smem, CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, fn));
+      cta_use[r][0] = role.block;
+      cta_use[r][1] = regs;
+      cta_use[r][2] = static_smem + static_cast<int64_t>(role.smem);
+    }
     if (r == 1 && on_stream && !(cta_use[0][0] <= cta_use[1][0] && cta_use[0][1] <= cta_use[1][1] &&
                                  cta_use[0][2] <= cta_use[1][2])) {
       return "gcmoe_moe: GCMOE_GRAPH_CONTEXT=stream needs a role-1 CTA to fit where a role-2 CTA would (threads, "
