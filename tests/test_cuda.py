@@ -297,6 +297,7 @@ def test_up_to_eight_tokens_role3_runs_beside_role2(shared, monkeypatch):
   from gcmoe_jax.ffi import _cuda
   from gcmoe_jax.kernels import abi, build
   monkeypatch.setenv("GCMOE_SOLO", "0")
+  monkeypatch.setenv("GCMOE_GRAPH_CONTEXT", "green")  # (on the stream's context role 3 follows role 2: the test below)
   for tokens in (1, 8, 9):
     shape = dataclasses.replace(SMALL, tokens=tokens, shared_intermediate=256 if shared else None,
                                 shared_group=shared or 128)
@@ -365,6 +366,9 @@ def test_up_to_eight_tokens_role2_runs_alone(shared, monkeypatch):
   compute partition; and with ``GCMOE_SOLO=0`` the graph has all three roles again, exact."""
   from gcmoe_jax.kernels import abi
   monkeypatch.setenv("GCMOE_SYNC_CHECK", "1")
+  # With ``GCMOE_SOLO=0`` and T <= `abi.FINALIZE_EARLY_TOKENS` role 3 runs beside role 2 on the green contexts (on the
+  # stream's own context after it: `test_three_role_graph_on_the_stream_context_is_exact`).
+  monkeypatch.setenv("GCMOE_GRAPH_CONTEXT", "green")
   items_done = {}
   for solo_env, sms, tokens_list in (("1", "compute", (1, 5, 8, 9)), ("1", "all", (1, 5, 8)), ("0", "compute", (2,))):
     monkeypatch.setenv("GCMOE_SOLO", solo_env)
