@@ -549,7 +549,7 @@ def test_solo_sms_reaches_the_registration(monkeypatch):
   for solo, sms in ((True, "compute"), (True, "all"), (False, "all")):
     keys[solo, sms] = key = _cuda._register("sm_90a", variant, 6, 128, 10**9, solo=solo, solo_sms=sms)
     assert seen[key][8:11] == ((8, 1, int(sms == "all")) if solo else (0, 0, 0)), (solo, sms, seen[key])
-  assert len(set(keys.values())) == 3 and keys[True, "all"].endswith(":all")
+  assert len(set(keys.values())) == 3 and ":all" in keys[True, "all"] and ":all" not in keys[True, "compute"]
   _cuda._register.cache_clear()
   monkeypatch.setenv("GCMOE_SOLO_SMS", "most")
   with pytest.raises(ValueError, match="GCMOE_SOLO_SMS.*expected compute or all"):
@@ -568,9 +568,9 @@ def test_graph_on_the_stream_context_registration(on_stream, ranks, ok):
 
 
 def test_graph_context_reaches_the_registration(monkeypatch):
-  """`GCMOE_GRAPH_CONTEXT=stream` registers the three-node graph on the stream's own context (config[11] = 1, under
-  its own key) on one GPU only; `green` (the default) keeps the green contexts; a value other than green or stream
-  is refused naming the variable."""
+  """`GCMOE_GRAPH_CONTEXT=stream` (the default) registers the three-node graph on the stream's own context (config[11]
+  = 1, under its own key) on one GPU only; `green` keeps the green contexts; a value other than green or stream is
+  refused naming the variable."""
   from gcmoe_jax import _config
   from gcmoe_jax.ffi import _cuda
   from gcmoe_jax.kernels import build
@@ -579,7 +579,7 @@ def test_graph_context_reaches_the_registration(monkeypatch):
   monkeypatch.setattr(build, "load_or_build", lambda arch, variant: _FakeBuilt())
   monkeypatch.setattr(build, "generation", lambda: "v2")
   monkeypatch.delenv("GCMOE_GRAPH_CONTEXT", raising=False)
-  assert _config.get("GCMOE_GRAPH_CONTEXT") == "green"
+  assert _config.get("GCMOE_GRAPH_CONTEXT") == "stream"
   _cuda._register.cache_clear()
   keys = {}
   for ranks in (1, 2):

@@ -150,7 +150,7 @@ def workspace_bytes(ws: abi.Workspace) -> int:
 @functools.lru_cache(maxsize=None)
 def _register(arch: str, variant: build.Variant, dispatch_sms: int, compute_sms: int, timeout_ns: int,
               peer_devices: tuple[int, ...] = (), partition_dispatch_sms: int = 0, solo: bool = True,
-              solo_sms: str = "all", graph_context: str = "green") -> str:
+              solo_sms: str = "all", graph_context: str = "stream") -> str:
   ablation = _config.get("GCMOE_ABLATION")
   if ablation:
     # A timing build (docs/kernels_v2.md) must never pass for the operator: say so at every variant it serves.
