@@ -25,9 +25,10 @@ class Var:
 def _ablation(text: str) -> str:
   if text not in ("", "nomath", "nogemm2", "widedecode", "tma", "static", "evenbodies",
                   "timeline", "nosingle", "twoplane", "stagebar", "sharedfirst",
-                  "routedfirst", "regpull", "onecta", "nofourrow", "stagetest", "kpair"):
+                  "routedfirst", "regpull", "onecta", "nofourrow", "stagetest", "kpair", "l2ahead"):
     raise ValueError("expected nomath, nogemm2, widedecode, tma, static, evenbodies, timeline, nosingle, twoplane, "
-                     "stagebar, sharedfirst, routedfirst, regpull, onecta, nofourrow, stagetest, kpair or empty")
+                     "stagebar, sharedfirst, routedfirst, regpull, onecta, nofourrow, stagetest, kpair, l2ahead or "
+                     "empty")
   return text
 
 
@@ -117,7 +118,11 @@ VARS = {v.name: v for v in (
                                        "stages share a CTA barrier, results exact, for A/B timing; kpair: "
                                        "GEMM2 items of 64 rows with K split between warp pairs at calls of up to "
                                        "2 tokens, results exact, 5-13 % slower at B = 1-8 on the H200 (session "
-                                       "38), for A/B timing); "
+                                       "38), for A/B timing; l2ahead: at calls of up to 2 tokens each routed "
+                                       "GEMM1 item prefetches the W2 rows of one of the last GEMM2 items into L2 "
+                                       "(24 MiB in all) and each GEMM2 item its own before its wait, the routed "
+                                       "weight copies marked L2 evict-first, routed variants of up to 8 tokens, "
+                                       "results exact, for A/B timing); "
                                        "part of the cubin key"),
   Var("GCMOE_WAIT_TIMEOUT_MS", _wait_ms, 2000, "bound of every device spin-wait; expiry becomes a Python exception"),
   Var("GCMOE_FIRST_WAIT_TIMEOUT_MS", _wait_ms, 120_000, "bound of the spin-waits of the first call of the fused "

@@ -646,6 +646,28 @@ def test_the_kpair_build_hands_gemm2_blocks_between_warp_pairs(cache, monkeypatc
 
 @needs_dsl
 @pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
+def test_the_l2ahead_build_prefetches_gemm2_weights_and_streams_weights_evict_first(cache, monkeypatch):
+  """GCMOE_ABLATION=l2ahead (GEMM2 weights into L2 ahead of their items at up to two tokens, routed variants of up
+  to 8 tokens, docs/kernels_v2.md "GEMM2 weights into L2 ahead"): its own key, roles 1 and 3 as they are; in role 2
+  the bulk L2 prefetches (one per K128 tile of W2 and one of the scales, for a GEMM1 item's and a GEMM2 item's
+  target) and every weight-tile copy marked evict-first, with the MMAs unchanged in number; a variant of 16 tokens
+  builds no prefetch at all."""
+  small8 = dataclasses.replace(SMALL, capacity=8)
+  normal, ahead = _role2_only_ablation("l2ahead", cache, monkeypatch, small8)
+  a, b = _ptx(normal, 2), _ptx(ahead, 2)
+  per_item = small8.intermediate // 128 + 1  # W2 tiles over K = I, then the scale words
+  assert "cp.async.bulk.prefetch.L2" not in a and b.count("cp.async.bulk.prefetch.L2") == 2 * per_item
+  assert "L2::cache_hint" not in a
+  hinted = b.count("cp.async.cg.shared.global.L2::cache_hint")  # the weight tiles' copies; the B rows' keep theirs
+  assert 0 < hinted < a.count("cp.async.cg.shared.global [") == hinted + b.count("cp.async.cg.shared.global [")
+  assert a.count("mma.sync.aligned.m16n8k32") == b.count("mma.sync.aligned.m16n8k32") > 0
+  assert ahead["roles"][1]["spill_bytes"] <= build._ABLATION_SPILL_BUDGET[2]
+  wider = build.compile_variant("sm_90a", SMALL, cache_dir=cache)  # (capacity 16, still under l2ahead)
+  assert "+l2ahead-" in wider["key"] and "cp.async.bulk.prefetch.L2" not in _ptx(wider, 2)
+
+
+@needs_dsl
+@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
 def test_the_routedfirst_build_changes_only_role_2s_item_order(cache, monkeypatch):
   """GCMOE_ABLATION=routedfirst (the routed items first, the queue before session 18, for A/B timing) builds under
   its own key, with roles 1 and 3 as they are and role 2's MMAs and stores unchanged in number: only the item

@@ -176,6 +176,11 @@ PAIRED_BARRIER_NT = 2  # passes of at most this many n-tiles meet at a CTA barri
 # this many rows, take their routed GEMM2 items in 64 rows with K split between warp pairs (docs/kernels_v2.md "Item
 # balance").
 KPAIR_TOKENS = 2
+# Under `GCMOE_ABLATION=l2ahead` (`RoleKernelsV2.l2ahead`), calls of up to this many tokens: each routed GEMM1 item
+# prefetches into L2 the weights of one of the last routed GEMM2 items of the queue, as many as `L2_AHEAD_BYTES` hold
+# (docs/kernels_v2.md "GEMM2 weights into L2 ahead").
+L2_AHEAD_TOKENS = 2
+L2_AHEAD_BYTES = 24 << 20
 KPAIR_P_BYTES = 32 * 16  # a warp's p of one stage in a `kpair` pass: four blocks' p per lane, one 16 B store
 DECODE_TABLES = (POS2_LO, NEG_LO, POS_LO, SIGN_SELECT)  # the table words `_stage` reads from `CTL_TABLES`
 # The B columns of the one- and two-row bodies (`_stage`): column n is read by lane group g = n. One row: planes
@@ -346,6 +351,19 @@ def _st_u8(addr, v) -> None:
 def _cp16(dst, src, nbytes) -> None:
   """16 B global -> SMEM, bypassing L1 (data other CTAs wrote this call); ``nbytes`` 0 zero-fills."""
   cute.arch.inline_ptx("cp.async.cg.shared.global [{$r0}], [{$r1}], 16, {$r2};", read_only_args=[dst, src, nbytes])
+
+
+def _cp16_first(dst, src, nbytes) -> None:
+  """`_cp16` with the L2 lines marked evict-first (`GCMOE_ABLATION=l2ahead`: weights streamed once, so that they
+  leave L2 before the GEMM2 weights prefetched there)."""
+  cute.arch.inline_ptx("{ .reg .b64 pol; createpolicy.fractional.L2::evict_first.b64 pol, 1.0; "
+                       "cp.async.cg.shared.global.L2::cache_hint [{$r0}], [{$r1}], 16, {$r2}, pol; }",
+                       read_only_args=[dst, src, nbytes])
+
+
+def _prefetch_l2(src, nbytes: int) -> None:
+  """A bulk prefetch of ``nbytes`` (a multiple of 16, 16-aligned) of global memory into L2, no completion."""
+  cute.arch.inline_ptx(f"cp.async.bulk.prefetch.L2.global [{{$r0}}], {nbytes};", read_only_args=[src])
 
 
 def _cp4(dst, src) -> None:
@@ -893,6 +911,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # whose GEMM2 K is an even number of K128 tiles (with the shared expert ptxas spilled 256 B at the two-CTA cap).
     self.kpair = (self.ablation == "kpair" and self.single and self.nt_max <= SPLIT_DECODE_NT and not self.fused
                   and not v.shared and (v.intermediate // v1.K128) % 2 == 0)
+    # GEMM2 weights into L2 ahead of their items (`GCMOE_ABLATION=l2ahead`, timing, results exact): in the one-rank
+    # routed variants of up to 8 tokens (one pass per item, so each weight byte is read once and may go first).
+    self.l2ahead = (self.ablation == "l2ahead" and not self.fused and not v.shared and not self.qmma
+                    and v.capacity <= 8)
     # Role 2's queue order (`abi.item_order`): the shared expert's items first at up to 32 tokens, else the routed.
     self.item_order = abi.item_order(v.capacity, self.ablation)
     self.rcap = v.capacity * v.ranks
@@ -1563,6 +1585,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
           if g2:
             ok = Int32(1)
             if tid == 0:
+              if cutlass.const_expr(self.l2ahead):
+                if n_tok <= L2_AHEAD_TOKENS:  # (its weights do not wait for the expert's GEMM1)
+                  self._l2_ahead(w2.toint(), w2_scale.toint(), e, j)
               ok = self._wait_geq(counters + Int64(e) * v1.WORD_BYTES, Int32(self.j1), wsb, cur, bid,
                                   abi.WAIT_GEMM1 + e)
             if _bar_or(ok == 0) != 0:
@@ -1575,6 +1600,14 @@ class RoleKernelsV2(v1.RoleKernelsV1):
               if cutlass.const_expr(self.relay):  # the copiers follow each expert's GEMM2 items done
                 self._count_done(counters, self.relay_base + e)
           else:
+            if cutlass.const_expr(self.l2ahead):
+              # GEMM1 item i < P prefetches GEMM2 item n2 - P + i: the last P of the queue, claimed when the first
+              # GEMM2 round is done and each waiting for a whole round's DRAM latency otherwise.
+              n_ahead = cutlass.min(cutlass.min(n1, n2), Int32(L2_AHEAD_BYTES // self._gemm2_item_bytes()))
+              if (tid == 0) & (n_tok <= L2_AHEAD_TOKENS) & (it < n_ahead):
+                t2 = n2 - n_ahead + it
+                h2 = t2 // self.j2
+                self._l2_ahead(w2.toint(), w2_scale.toint(), _lds(table + (v.experts + h2) * 4), t2 - h2 * self.j2)
             self._item(False, e, j, count, route_weights.toint(), w13.toint(), w13_scale.toint(), wsb, c_bits,
                        cur, ctl, pipe, tmap_w13)
             self._count_done(counters, e)
@@ -1615,6 +1648,22 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       # Role 3 may run beside this kernel (`abi.FINALIZE_EARLY_TOKENS`), or this kernel's combining CTAs do its work
       # (`abi.TOKENS_SOLO`): either waits for every item CTA's count.
       self._count_done(counters, abi.role2_done(v.experts, v.capacity, v.shared, v.ranks, v.relay))
+
+  def _gemm2_item_bytes(self) -> int:
+    """The W2 bytes a routed GEMM2 item streams: its `TILE_M` rows' E2M1 tiles and scale words over K = I."""
+    kb_n = self.v.intermediate // v1.K128
+    return TILE_M * kb_n * (v1.FP4_TILE_BYTES + v1.WORD_BYTES)
+
+  @cute.jit
+  def _l2_ahead(self, w2: Int64, w2_scale: Int64, e: Int32, j: Int32):
+    """Prefetch into L2 the W2 rows of routed GEMM2 item (e, j) (`GCMOE_ABLATION=l2ahead`): per K128 tile the item's
+    `W_BYTES` of E2M1 rows, then its rows' scale words (`[E, K/128, N, 64]` and `[E, N, K/128]`)."""
+    v = self.v
+    kb_n = v.intermediate // v1.K128
+    pw_e = w2 + Int64(e) * (kb_n * v.hidden * v1.FP4_TILE_BYTES)
+    for kb in cutlass.range_constexpr(kb_n):
+      _prefetch_l2(pw_e + (Int64(kb) * v.hidden + j * TILE_M) * v1.FP4_TILE_BYTES, W_BYTES)
+    _prefetch_l2(w2_scale + (Int64(e) * v.hidden + j * TILE_M) * (kb_n * v1.WORD_BYTES), TILE_M * kb_n * v1.WORD_BYTES)
 
   def _per2(self, ctl: Int32) -> Int32:
     """GEMM2 items per expert hit in this call: `j2`, or in a `kpair` build twice as many items of 64 rows where
@@ -3239,7 +3288,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       # (row // rows == i: THREADS / 4 rows per pass of this loop)
       src_row = row % rows if cutlass.const_expr(per_bar) else row
       src = pw_e + (Int64(_stage_tile(kb, i, per_bar)) * n_rows + row0 + src_row) * v1.FP4_TILE_BYTES + col * 16
-      _cp16(sb + row * 64 + ((col ^ ((row // 2) % 4)) << 4), src, Int32(16))
+      if cutlass.const_expr(self.l2ahead):
+        _cp16_first(sb + row * 64 + ((col ^ ((row // 2) % 4)) << 4), src, Int32(16))
+      else:
+        _cp16(sb + row * 64 + ((col ^ ((row // 2) % 4)) << 4), src, Int32(16))
     if tid < TILE_M:
       if cutlass.const_expr(per_bar):
         _cp4(sb + W_BYTES + tid * 4,
