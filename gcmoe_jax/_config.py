@@ -122,7 +122,8 @@ VARS = {v.name: v for v in (
                                        "GEMM1 item prefetches the W2 rows of one of the last GEMM2 items into L2 "
                                        "(24 MiB in all) and each GEMM2 item its own before its wait, the routed "
                                        "weight copies marked L2 evict-first, routed variants of up to 8 tokens, "
-                                       "results exact, for A/B timing); "
+                                       "results exact, 7-11 % slower at B = 1-2 on the H100 (session 40), for A/B "
+                                       "timing); "
                                        "part of the cubin key"),
   Var("GCMOE_WAIT_TIMEOUT_MS", _wait_ms, 2000, "bound of every device spin-wait; expiry becomes a Python exception"),
   Var("GCMOE_FIRST_WAIT_TIMEOUT_MS", _wait_ms, 120_000, "bound of the spin-waits of the first call of the fused "
@@ -140,8 +141,8 @@ VARS = {v.name: v for v in (
                                                      "GPU, more tokens than GCMOE_SOLO covers): stream (the default "
                                                      "since session 40: the stream's own context, no green-context "
                                                      "switch; role 2's grid stays the compute partition's and the "
-                                                     "runtime checks that role 1 fits beside it; 1.3-4.1 % faster "
-                                                     "at B = 16-128 on the H100) or green (the dispatch and compute "
+                                                     "runtime checks that role 1 fits beside it; about 2-4 % "
+                                                     "faster at B = 16-128 on the H100) or green (the dispatch and compute "
                                                      "green contexts; docs/cuda_runtime.md \"Graph\")"),
   Var("GCMOE_SYNC_CHECK", _bool, False, "synchronise after each CUDA call and raise a device fault at once, also "
                                         "under XLA command buffers, which then leave the call out (tests, "
