@@ -142,8 +142,8 @@ VARS = {v.name: v for v in (
                                                      "since session 40: the stream's own context, no green-context "
                                                      "switch; role 2's grid stays the compute partition's and the "
                                                      "runtime checks that role 1 fits beside it; about 2-4 % "
-                                                     "faster at B = 16-128 on the H100) or green (the dispatch and compute "
-                                                     "green contexts; docs/cuda_runtime.md \"Graph\")"),
+                                                     "faster at B = 16-128 on the H100) or green (the dispatch and "
+                                                     "compute green contexts; docs/cuda_runtime.md \"Graph\")"),
   Var("GCMOE_SYNC_CHECK", _bool, False, "synchronise after each CUDA call and raise a device fault at once, also "
                                         "under XLA command buffers, which then leave the call out (tests, "
                                         "debugging); otherwise it is raised by the next call that runs the handler"),
