@@ -25,10 +25,11 @@ class Var:
 def _ablation(text: str) -> str:
   if text not in ("", "nomath", "nogemm2", "widedecode", "tma", "static", "evenbodies",
                   "timeline", "nosingle", "twoplane", "stagebar", "sharedfirst",
-                  "routedfirst", "regpull", "onecta", "nofourrow", "stagetest", "kpair", "l2ahead"):
+                  "routedfirst", "regpull", "onecta", "nofourrow", "stagetest", "kpair", "l2ahead",
+                  "wearly", "wearly1", "wearlyl2", "shallow", "spin"):
     raise ValueError("expected nomath, nogemm2, widedecode, tma, static, evenbodies, timeline, nosingle, twoplane, "
-                     "stagebar, sharedfirst, routedfirst, regpull, onecta, nofourrow, stagetest, kpair, l2ahead or "
-                     "empty")
+                     "stagebar, sharedfirst, routedfirst, regpull, onecta, nofourrow, stagetest, kpair, l2ahead, "
+                     "wearly, wearly1, wearlyl2, shallow, spin or empty")
   return text
 
 
@@ -123,7 +124,16 @@ VARS = {v.name: v for v in (
                                        "(24 MiB in all) and each GEMM2 item its own before its wait, the routed "
                                        "weight copies marked L2 evict-first, routed variants of up to 8 tokens, "
                                        "results exact, 7-11 % slower at B = 1-2 on the H100 (session 40), for A/B "
-                                       "timing); "
+                                       "timing; wearly: a routed GEMM2 item of one pass of up to 8 rows copies "
+                                       "its first stages' weights into SMEM before it waits for its expert's "
+                                       "GEMM1 items; wearly1: also a CTA's first GEMM1 item before the wait for "
+                                       "phase 0; wearlyl2: wearly, and the item's other stages prefetched into "
+                                       "L2 (the three exact, none faster at B = 1-8 on the H100, up to 8 % "
+                                       "slower at B = 4-8, session 41, for A/B timing); shallow: one-tile passes "
+                                       "keep 6 pipeline stages, 4 in flight (exact, 1-5 % slower at B = 2-8 on "
+                                       "the H100, session 41, for A/B timing); spin: roles 2 and 3 poll with "
+                                       "relaxed loads and no nanosleep (exact, within the runs' spread at B = "
+                                       "1-8, session 41, for A/B timing)); "
                                        "part of the cubin key"),
   Var("GCMOE_WAIT_TIMEOUT_MS", _wait_ms, 2000, "bound of every device spin-wait; expiry becomes a Python exception"),
   Var("GCMOE_FIRST_WAIT_TIMEOUT_MS", _wait_ms, 120_000, "bound of the spin-waits of the first call of the fused "

@@ -668,6 +668,54 @@ def test_the_l2ahead_build_prefetches_gemm2_weights_and_streams_weights_evict_fi
 
 @needs_dsl
 @pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
+def test_the_wearly_builds_copy_weights_before_their_waits(cache, monkeypatch):
+  """GCMOE_ABLATION=wearly / wearly1 / wearlyl2 (docs/kernels_v2.md "Weights before the waits"): each under its own
+  key with roles 1 and 3 as they are and role 2's MMAs unchanged in number; role 2 holds more weight copies (a
+  GEMM2 item's first stages before its wait; with wearly1 also a CTA's first GEMM1 item's before the phase-0 wait),
+  and only wearlyl2 the L2 prefetches of a GEMM2 item's other K128 tiles, one each."""
+  from gcmoe_jax.kernels import roles_v2
+  mid = dataclasses.replace(SMALL, intermediate=1024, capacity=8)  # 8 K128 tiles of GEMM2: some left for L2
+  normal = build.compile_variant("sm_90a", mid, cache_dir=cache)
+  k = roles_v2.RoleKernelsV2(mid)
+  n_st = roles_v2.stages(1, k.pipe_bytes, k.token_stride, k.w_bytes)
+  kb_n = mid.intermediate // 128
+  ahead = kb_n - min(n_st - k._per_bar(1, n_st, kb_n), kb_n)
+  assert ahead > 0
+  copies = {}
+  for ablation in ("wearly", "wearly1", "wearlyl2"):
+    _, built_ = _role2_only_ablation(ablation, cache, monkeypatch, mid)
+    a, b = _ptx(normal, 2), _ptx(built_, 2)
+    copies[ablation] = b.count("cp.async.cg.shared.global [")
+    assert copies[ablation] > a.count("cp.async.cg.shared.global ["), ablation
+    assert a.count("mma.sync.aligned.m16n8k32") == b.count("mma.sync.aligned.m16n8k32") > 0, ablation
+    assert b.count("cp.async.bulk.prefetch.L2") == (ahead if ablation == "wearlyl2" else 0), ablation
+    assert built_["roles"][1]["spill_bytes"] <= build._ABLATION_SPILL_BUDGET[2], ablation
+  assert copies["wearly1"] > copies["wearly"]
+
+
+@needs_dsl
+@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
+def test_the_shallow_and_spin_builds_keep_role_1_and_the_mmas(cache, monkeypatch):
+  """GCMOE_ABLATION=shallow (one-tile passes with fewer pipeline stages; roles 1 and 3 as they are) and spin (the
+  bounded waits poll with relaxed loads, no nanosleep), both for A/B timing: their own keys, role 2's MMAs unchanged
+  in number; under spin roles 2 and 3 (whose waits are `_spin_geq`'s) sleep in fewer places and acquire in fewer
+  loads, role 1 as it is."""
+  normal, shallow = _role2_only_ablation("shallow", cache, monkeypatch, SMALL)
+  a, b = _ptx(normal, 2), _ptx(shallow, 2)
+  assert a != b and a.count("mma.sync.aligned.m16n8k32") == b.count("mma.sync.aligned.m16n8k32")
+  monkeypatch.setenv("GCMOE_ABLATION", "spin")
+  spin = build.compile_variant("sm_90a", SMALL, cache_dir=cache)
+  assert "+spin-" in spin["key"]
+  c = _ptx(spin, 2)
+  assert a.count("mma.sync.aligned.m16n8k32") == c.count("mma.sync.aligned.m16n8k32")
+  assert _ptx(spin, 1) == _ptx(normal, 1)
+  for role in (2, 3):  # (role 3's waits go through `_spin_geq` too)
+    p, q = _ptx(normal, role), _ptx(spin, role)
+    assert q.count("nanosleep") < p.count("nanosleep") and q.count("ld.acquire.gpu") < p.count("ld.acquire.gpu"), role
+
+
+@needs_dsl
+@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
 def test_the_routedfirst_build_changes_only_role_2s_item_order(cache, monkeypatch):
   """GCMOE_ABLATION=routedfirst (the routed items first, the queue before session 18, for A/B timing) builds under
   its own key, with roles 1 and 3 as they are and role 2's MMAs and stores unchanged in number: only the item
@@ -724,6 +772,7 @@ def test_the_timeline_build_stamps_every_role(built, cache, monkeypatch):
   for role in (1, 2, 3):
     stamps, plain = (_ptx(m, role).count("%globaltimer") for m in (meta, built["sm_90a"]))
     assert stamps > plain, (role, stamps, plain)
+  assert "%smid" in _ptx(meta, 2) and "%smid" not in _ptx(built["sm_90a"], 2)  # each CTA's SM, in its record
 
 
 def test_an_ablation_build_has_its_own_cubin_key(monkeypatch):

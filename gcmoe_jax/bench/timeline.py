@@ -4,8 +4,9 @@
 
 The timeline build (results exact) stamps, for each call, role 1's and role 3's block 0 entry and exit and, for
 every role-2 CTA, its entry, the end of phase 0 (x quantized), the end of the expert table (role 1's active
-queue closed), its exit, and per item the claim, the start of its MMAs (after a GEMM2 item's wait for its expert's
-GEMM1 tiles) and its end (`kernels.abi` ``TL_*``), into a region after the workspace. This runs the bench's chain
+queue closed), its exit and its SM (``%smid`` + 1, word 5 of its record), and per item the claim, the start of its
+MMAs (after a GEMM2 item's wait for its expert's GEMM1 tiles) and its end (`kernels.abi` ``TL_*``), into a region
+after the workspace (``--save`` keeps them for analyses such as per-SM item times). This runs the bench's chain
 (``--chain`` layers in one jitted program, alternating weight copies, fresh routes per layer) once more after
 warming up, reads the last call slots back (`ffi._cuda.debug_read_workspace`) and prints, per layer, the phases
 in microseconds from the layer's first stamp, and the role-2 item statistics.

@@ -142,8 +142,8 @@ ALIGN = 256
 # The timeline of a `GCMOE_ABLATION=timeline` build (docs/kernels_v2.md "Timeline"): %globaltimer stamps (u64 ns)
 # after the workspace (``Workspace.total``), one record per call slot ``cur % TL_CALLS``. A slot: TL_HEAD words
 # (role 1 block 0 entry and exit, role 3 block 0 entry and exit, cur), then per role-2 CTA b < TL_CTAS its
-# TL_CTA_WORDS: entry, phase 0 done, expert table done, exit, items taken, 3 spare, then per item i < TL_ITEMS
-# (item, start after the claim, start of its MMAs after any wait, end).
+# TL_CTA_WORDS: entry, phase 0 done, expert table done, exit, items taken, the SM's %smid + 1, 2 spare, then per item
+# i < TL_ITEMS (item, start after the claim, start of its MMAs after any wait, end).
 TL_CALLS, TL_CTAS, TL_ITEMS, TL_HEAD = 16, 512, 48, 16
 TL_CTA_WORDS = 8 + 4 * TL_ITEMS
 TL_CALL_WORDS = TL_HEAD + TL_CTAS * TL_CTA_WORDS

@@ -180,6 +180,9 @@ KPAIR_TOKENS = 2
 # prefetches into L2 the weights of one of the last routed GEMM2 items of the queue, as many as `L2_AHEAD_BYTES` hold
 # (docs/kernels_v2.md "GEMM2 weights into L2 ahead").
 L2_AHEAD_TOKENS = 2
+# `GCMOE_ABLATION=shallow`: one-tile passes keep this many pipeline stages (the paired barrier's least), so each CTA
+# has 4 K128 stages of copies in flight instead of 6 (timing: whether fewer bytes in flight share DRAM more evenly).
+SHALLOW_STAGES = 6
 L2_AHEAD_BYTES = 24 << 20
 KPAIR_P_BYTES = 32 * 16  # a warp's p of one stage in a `kpair` pass: four blocks' p per lane, one 16 B store
 DECODE_TABLES = (POS2_LO, NEG_LO, POS_LO, SIGN_SELECT)  # the table words `_stage` reads from `CTL_TABLES`
@@ -915,6 +918,16 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # routed variants of up to 8 tokens (one pass per item, so each weight byte is read once and may go first).
     self.l2ahead = (self.ablation == "l2ahead" and not self.fused and not v.shared and not self.qmma
                     and v.capacity <= 8)
+    # A routed GEMM2 item of one pass of up to 8 rows copies its first stages' weights and scale words into the
+    # pipeline before it waits for its expert's GEMM1 items (`_w_ahead`; `GCMOE_ABLATION=wearly`, and `wearlyl2`
+    # also prefetches the item's other stages into L2): at B = 1 the GEMM2 items of the first round wait 11-17 us on
+    # the H100. Exact, and not faster (docs/kernels_v2.md "The H100 timeline, and three ideas that did not pay").
+    self.w_early = (self.ablation in ("wearly", "wearly1", "wearlyl2") and not self.fused and not self.qmma
+                    and not self.tma and not self.kpair)
+    self.w_early_l2 = self.w_early and self.ablation == "wearlyl2"
+    # `wearly1`: also the CTA's first item, claimed before the wait for every CTA's phase 0, where role 2 lists the
+    # routes itself (routed variants, whose queue starts with the GEMM1 items).
+    self.w_early1 = self.w_early and self.ablation == "wearly1" and self.dynamic and not v.shared
     # Role 2's queue order (`abi.item_order`): the shared expert's items first at up to 32 tokens, else the routed.
     self.item_order = abi.item_order(v.capacity, self.ablation)
     self.rcap = v.capacity * v.ranks
@@ -1469,6 +1482,18 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       scanned = cutlass.select_(n_tok <= self.scan_tokens, Int32(1), Int32(0))
       if scanned != 0:
         self._scan_routes(ids.toint(), n_tok * v.top_k, ctl)
+    item0 = Int32(-1)
+    pre1 = Int32(0)
+    if cutlass.const_expr(self.w_early1):
+      # The first item claimed now, and a GEMM1 item's first weight stages copied while the CTA waits below.
+      if scanned != 0:
+        item0 = self._claim(counters, ctl)
+        if item0 < _lds(ctl + 4) * self.j1:
+          h0 = item0 // self.j1
+          e0 = _lds(table + (v.experts + h0) * 4)
+          if _lds(table + e0 * 4) <= 8:  # (one pass of the 1-tile body: `_item`)
+            pre1 = Int32(1)
+            self._w_ahead(False, e0, item0 - h0 * self.j1, w13.toint(), w13_scale.toint(), pipe)
     queue = self._active_queue(wsb, cur)
     ok = Int32(1)
     if tid == 0:
@@ -1558,6 +1583,11 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     if takes != 0:
       if cutlass.const_expr(self.fused):
         item, n_hit = self._claim_streaming(counters, ctl, queue, table, wsb, cur, bid, n_s1)
+      elif cutlass.const_expr(self.w_early1):
+        if scanned != 0:
+          item = item0
+        else:
+          item = self._claim(counters, ctl)
       elif cutlass.const_expr(self.dynamic):
         item = self._claim(counters, ctl)
       else:
@@ -1584,6 +1614,11 @@ class RoleKernelsV2(v1.RoleKernelsV1):
           count = _lds(table + e * 4)
           if g2:
             ok = Int32(1)
+            pre = Int32(0)
+            if cutlass.const_expr(self.w_early):
+              if (count >= 1) & (count <= 8):  # (one pass of the 1-tile body: `_item`)
+                pre = Int32(1)
+                self._w_ahead(True, e, j, w2.toint(), w2_scale.toint(), pipe)
             if tid == 0:
               if cutlass.const_expr(self.l2ahead):
                 if n_tok <= L2_AHEAD_TOKENS:  # (its weights do not wait for the expert's GEMM1)
@@ -1592,11 +1627,14 @@ class RoleKernelsV2(v1.RoleKernelsV1):
                                   abi.WAIT_GEMM1 + e)
             if _bar_or(ok == 0) != 0:
               failed = Int32(1)
+              if cutlass.const_expr(self.w_early):
+                _wait_group(0)  # the copies ahead land before anything else uses the pipeline area
             else:
               if cutlass.const_expr(self.timeline):
                 self._tl_item(wsb, cur, bid, ctl, item, 1)
               self._item(True, e, j, count, route_weights.toint(), w2.toint(), w2_scale.toint(), wsb, c_bits,
-                         cur, ctl, pipe, tmap_w2, _lds(ctl + CTL_KPAIR) if cutlass.const_expr(self.kpair) else None)
+                         cur, ctl, pipe, tmap_w2, _lds(ctl + CTL_KPAIR) if cutlass.const_expr(self.kpair) else None,
+                         pre if cutlass.const_expr(self.w_early) else None)
               if cutlass.const_expr(self.relay):  # the copiers follow each expert's GEMM2 items done
                 self._count_done(counters, self.relay_base + e)
           else:
@@ -1609,7 +1647,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
                 h2 = t2 // self.j2
                 self._l2_ahead(w2.toint(), w2_scale.toint(), _lds(table + (v.experts + h2) * 4), t2 - h2 * self.j2)
             self._item(False, e, j, count, route_weights.toint(), w13.toint(), w13_scale.toint(), wsb, c_bits,
-                       cur, ctl, pipe, tmap_w13)
+                       cur, ctl, pipe, tmap_w13, None, pre1 if cutlass.const_expr(self.w_early1) else None)
             self._count_done(counters, e)
         else:
           if cutlass.const_expr(v.shared):
@@ -1631,6 +1669,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
                                           cur, bid, pipe, token_counters + Int64(tg) * v1.WORD_BYTES)
       if cutlass.const_expr(self.timeline):
         self._tl_item(wsb, cur, bid, ctl, item, 2)
+      if cutlass.const_expr(self.w_early1):
+        pre1 = Int32(0)  # (the first item only)
       # A CTA that failed a wait goes on claiming (and skipping) items, as with the round-robin, so the claims of
       # the others stay in item order.
       if cutlass.const_expr(self.fused):
@@ -1640,10 +1680,13 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         item = self._claim(counters, ctl)
       else:
         item = item + step
+    if cutlass.const_expr(self.w_early1):
+      _wait_group(0)  # a first item's copies ahead land even where its call failed before the item ran
     if cutlass.const_expr(self.timeline):
       if tid == 0:
         self._tl_cta(wsb, cur, bid, Int32(3))
         self._tl_cta_put(wsb, cur, bid, Int32(4), Int64(_lds(ctl + CTL_TL)))
+        self._tl_cta_put(wsb, cur, bid, Int32(5), Int64(Int32(cute.arch.smid()) + 1))
     if cutlass.const_expr(v.ranks == 1):
       # Role 3 may run beside this kernel (`abi.FINALIZE_EARLY_TOKENS`), or this kernel's combining CTAs do its work
       # (`abi.TOKENS_SOLO`): either waits for every item CTA's count.
@@ -1664,6 +1707,35 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     for kb in cutlass.range_constexpr(kb_n):
       _prefetch_l2(pw_e + (Int64(kb) * v.hidden + j * TILE_M) * v1.FP4_TILE_BYTES, W_BYTES)
     _prefetch_l2(w2_scale + (Int64(e) * v.hidden + j * TILE_M) * (kb_n * v1.WORD_BYTES), TILE_M * kb_n * v1.WORD_BYTES)
+
+  @cute.jit
+  def _w_ahead(self, g2: cutlass.Constexpr, e: Int32, j: Int32, pw: Int64, psc: Int64, pipe: Int32):
+    """`w_early`: the weights and scale words of the first stages of routed item (e, j)'s one-tile pass (GEMM2, or
+    with ``g2`` False GEMM1), copied (one cp.async group) into the pipeline stages its prologue would fill
+    (`_cpasync_mainloop`), which then copies only their B side; with `w_early_l2`, thread 0 also prefetches the
+    item's other K128 tiles into L2."""
+    v = self.v
+    n_rows = v.hidden if cutlass.const_expr(g2) else 2 * v.intermediate
+    kb_n = (v.intermediate if cutlass.const_expr(g2) else v.hidden) // v1.K128
+    n_st = stages(1, self.pipe_bytes, self.token_stride, self.w_bytes)
+    st_bytes = stage_bytes(1, self.token_stride, self.w_bytes)
+    n_pro = min(n_st - self._per_bar(1, n_st, kb_n), kb_n)
+    pw_e = pw + Int64(e) * (kb_n * n_rows * v1.FP4_TILE_BYTES)
+    psc_e = psc + Int64(e) * (n_rows * kb_n * v1.WORD_BYTES)
+    row0 = j * TILE_M
+    for s in cutlass.range_constexpr(n_pro):
+      self._issue_w(s, pipe + s * st_bytes, pw_e, psc_e, row0, n_rows, kb_n)
+    _commit()
+    if cutlass.const_expr(self.w_early_l2):
+      tid, _, _ = cute.arch.thread_idx()
+      if tid == 0:
+        for kb in cutlass.range_constexpr(n_pro, kb_n):
+          _prefetch_l2(pw_e + (Int64(kb) * n_rows + row0) * v1.FP4_TILE_BYTES, W_BYTES)
+
+  def _per_bar(self, nt: int, n_st: int, n_kb: int) -> int:
+    """K128 stages per CTA barrier of a pass of ``nt`` n-tiles (`_cpasync_mainloop`): two in narrow passes
+    (`PAIRED_BARRIER_NT`) where the stages pair up and the pipeline is deep enough, else one."""
+    return 2 if self.paired_barrier and nt <= PAIRED_BARRIER_NT and n_kb % 2 == 0 and n_st >= 6 else 1
 
   def _per2(self, ctl: Int32) -> Int32:
     """GEMM2 items per expert hit in this call: `j2`, or in a `kpair` build twice as many items of 64 rows where
@@ -2399,19 +2471,23 @@ class RoleKernelsV2(v1.RoleKernelsV1):
                 patience: cutlass.Constexpr = 1, until_fault: cutlass.Constexpr = True):
     """One thread: acquire-spin on the counter at ``addr`` until it reaches ``target``, another CTA records a fault
     (unless ``until_fault`` is False), or ``patience`` timeouts pass; (the value last seen, the error flag last
-    seen). No fence, nothing recorded."""
+    seen). No fence, nothing recorded (the callers fence after they saw the target). `GCMOE_ABLATION=spin` polls with
+    relaxed loads and no nanosleep between them (timing: what the sleep and the acquire loads add to each wait on the
+    critical path)."""
+    sem = "relaxed" if cutlass.const_expr(self.ablation == "spin") else "acquire"
     flag = v1._gptr(wsb + abi.HEADER["error_flag"])
     timeout = v1._ld(wsb + abi.HEADER["timeout_ns"], cutlass.Uint64)
     if cutlass.const_expr(patience != 1):
       timeout = timeout * patience
     start = cute.arch.globaltimer()
-    seen = cute.arch.load(v1._gptr(addr), Int32, sem="acquire", scope=scope)
+    seen = cute.arch.load(v1._gptr(addr), Int32, sem=sem, scope=scope)
     fault = cute.arch.load(flag, Int32, sem="relaxed", scope="gpu")
     elapsed = cutlass.Uint64(0)
     stops = -1 if until_fault else 0  # the error flag's bits that end the wait
     while (seen < target) & ((fault & stops) == 0) & (elapsed <= timeout):
-      cute.arch.inline_ptx("nanosleep.u32 {$r0};", read_only_args=[Int32(v1.SPIN_SLEEP_NS)])
-      seen = cute.arch.load(v1._gptr(addr), Int32, sem="acquire", scope=scope)
+      if cutlass.const_expr(self.ablation != "spin"):
+        cute.arch.inline_ptx("nanosleep.u32 {$r0};", read_only_args=[Int32(v1.SPIN_SLEEP_NS)])
+      seen = cute.arch.load(v1._gptr(addr), Int32, sem=sem, scope=scope)
       fault = cute.arch.load(flag, Int32, sem="relaxed", scope="gpu")
       elapsed = cutlass.Uint64(cute.arch.globaltimer() - start)
     return seen, fault
@@ -2483,11 +2559,11 @@ class RoleKernelsV2(v1.RoleKernelsV1):
 
   @cute.jit
   def _item(self, g2: cutlass.Constexpr, e: Int32, j: Int32, count: Int32, rwb: Int64, pw: Int64, psc: Int64,
-            wsb: Int64, c_bits: Int32, cur: Int32, ctl: Int32, pipe: Int32, tmap: Int64, kp=None):
+            wsb: Int64, c_bits: Int32, cur: Int32, ctl: Int32, pipe: Int32, tmap: Int64, kp=None, pre=None):
     """One GEMM1 (g2 False) or GEMM2 item: the expert's rows in passes of up to 8 `nt_max` rows (`_chunk`), each
     pass in the body of the fewest n-tiles that hold its rows (1, 2, 3, 4, 6 or 8: the 3 and 6 bodies spare a
     quarter of the MMAs and epilogue of passes of 17-24 and 33-48 rows, the usual ones at B = 64 and 128;
-    `odd_bodies`)."""
+    `odd_bodies`). ``pre`` (`w_early`): 1 where `_w_ahead` copied the weights of this one-pass item's first stages."""
     n_end = count
     if cutlass.const_expr(kp is not None):
       if kp != 0:  # (`kpair`: 64 rows j of a GEMM2 item, its one or two rows in one pass)
@@ -2501,11 +2577,11 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       if rem <= 8:
         if cutlass.const_expr(self.single):
           if rem == 1:
-            self._chunk(g2, 1, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap, 1)
+            self._chunk(g2, 1, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap, 1, pre=pre)
           else:
-            self._chunk(g2, 1, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap)
+            self._chunk(g2, 1, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap, pre=pre)
         else:
-          self._chunk(g2, 1, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap)
+          self._chunk(g2, 1, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap, pre=pre)
       elif rem <= 16:
         self._chunk(g2, 2, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap)
       else:
@@ -2535,11 +2611,11 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   @cute.jit
   def _chunk(self, g2: cutlass.Constexpr, nt: cutlass.Constexpr, e: Int32, j: Int32, n0: Int32, count: Int32,
              rwb: Int64, pw: Int64, psc: Int64, wsb: Int64, c_bits: Int32, cur: Int32, ctl: Int32, pipe: Int32,
-             tmap: Int64, single: cutlass.Constexpr = False, kpair: cutlass.Constexpr = False):
+             tmap: Int64, single: cutlass.Constexpr = False, kpair: cutlass.Constexpr = False, pre=None):
     """One pass of up to 8 ``nt`` rows of the item (``single``: exactly one row, `_stage`'s plane-column body; a
     1-tile pass of two rows takes `_stage`'s two-row body at run time, one of three or four its four-row body).
     ``kpair`` (`RoleKernelsV2.kpair`): rows 64 j .. 64 j + 63 of a GEMM2 item with ``single`` (1 or 2) rows, K split
-    between warps w and w + 4 (`_cpasync_mainloop`)."""
+    between warps w and w + 4 (`_cpasync_mainloop`). ``pre``: `_item`'s."""
     v, ws = self.v, self.ws
     tid, _, _ = cute.arch.thread_idx()
     warp, lane, g, t4 = _lanes()
@@ -2559,6 +2635,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     flags = wsb + (ws.aflag if cutlass.const_expr(g2) else x_flag)
     st_bytes = stage_bytes(nt, self.token_stride, self.w_bytes)
     n_st = stages(nt, self.pipe_bytes, self.token_stride, self.w_bytes)
+    if cutlass.const_expr(self.ablation == "shallow" and nt == 1):
+      n_st = min(n_st, SHALLOW_STAGES)
     pw_e = pw + Int64(e) * (kb_n * n_rows * v1.FP4_TILE_BYTES)
     psc_e = psc + Int64(e) * (n_rows * kb_n * v1.WORD_BYTES)
     row0 = j * TILE_M
@@ -2627,7 +2705,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         if cutlass.const_expr(self.four_row):
           pair = cutlass.select_((rows == 3) | (rows == 4), Int32(4), pair)
         self._cpasync_mainloop(nt, n_st, st_bytes, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl, pipe,
-                               rows_fast, acc, single, pair)
+                               rows_fast, acc, single, pair, pre=pre)
         if pair == 2:
           for c in cutlass.range_constexpr(1, 4):  # (slot c % 2, row g + 8 (c // 2)) was lane t4 = c's (`_stage`)
             acc[c] = _shfl_xor(acc[0], c)
@@ -2642,7 +2720,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
               acc[c] = moved[c]
       else:
         self._cpasync_mainloop(nt, n_st, st_bytes, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl, pipe,
-                               rows_fast, acc, single, kpair=kpair)
+                               rows_fast, acc, single, kpair=kpair, pre=pre)
       if cutlass.const_expr(single == 1):
         acc[2] = _shfl_xor(acc[0], 1)  # row g + 8 was accumulated by lane t4 = 1 (`_stage`)
       elif cutlass.const_expr(single == 2):
@@ -2954,7 +3032,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
                         pw_e: Int64, psc_e: Int64, row0: Int32, n_rows: cutlass.Constexpr, kb_n: cutlass.Constexpr,
                         nblk: cutlass.Constexpr, planes: Int64, exps: Int64, ctl: Int32, pipe: Int32,
                         rows_fast: Int32, acc: cute.Tensor, single: cutlass.Constexpr = False, pair=None,
-                        kpair: cutlass.Constexpr = False):
+                        kpair: cutlass.Constexpr = False, pre=None):
     """The K loop of the per-thread producer (sm_90a): every thread issues cp.async copies of the stages ahead and
     the CTA meets at a barrier per stage, or per two stages in narrow passes (``single``: a one-row pass, whose
     padding slots are never read, so only slot 0's B rows are copied; ``pair``: 2 for a pass of two rows, 4 for
@@ -2963,7 +3041,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     ``kpair`` (`RoleKernelsV2.kpair`, a pass of ``single`` = 1 or 2 rows): a stage holds the item's 64 rows of two
     K128 tiles (`kpair_tile`, `_issue`), the first as rows 0-63 of the tile and B slots 0-3, the second as rows
     64-127 and slots 4-7; warps 0-3 accumulate theirs, warps 4-7 store each block's p to the room after the last
-    stage, and after the next barrier warps 0-3 add those in block order (`_kpair_add`)."""
+    stage, and after the next barrier warps 0-3 add those in block order (`_kpair_add`).
+
+    ``pre`` (an Int32, `w_early`): 1 where `_w_ahead` copied the prologue's weights and scale words already."""
     slots = 8 * nt
     n_copy = 1 if cutlass.const_expr(single) else slots
     if cutlass.const_expr(kpair):
@@ -2974,15 +3054,14 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # stage is ~150 instructions per warp), and at GLM5.2 B = 1 the per-stage barrier was the largest stall reason
     # (19.5 % of role 2's samples, docs/kernels_v2.md). The copies run one stage less ahead for it, and n_st >= 6
     # keeps the wait below at n_st - 4 >= 2 stages in flight.
-    per_bar = 2 if cutlass.const_expr(self.paired_barrier and nt <= PAIRED_BARRIER_NT and n_kb % 2 == 0
-                                      and n_st >= 6) else 1
+    per_bar = self._per_bar(nt, n_st, n_kb)
     kpair_bar = per_bar if cutlass.const_expr(kpair) else 0  # (`_issue`: stages of two half tiles)
     pbuf = pipe + n_st * st_bytes  # (`kpair`: the warps' p, two sets by barrier step)
     p_set = WARPS // 2 * per_bar * KPAIR_P_BYTES
     for s in cutlass.range_constexpr(n_st - per_bar):
       if s < n_kb:
         self._issue(s, pipe + s * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl, n_copy,
-                    kpair_bar)
+                    kpair_bar, None if cutlass.const_expr(pre is None) else 1 - pre)
       _commit()
     for kq in range(n_kb // per_bar):
       kb = kq * per_bar
@@ -3269,15 +3348,26 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   @cute.jit
   def _issue(self, kb: Int32, sb: Int32, slots: cutlass.Constexpr, pw_e: Int64, psc_e: Int64, row0: Int32,
              n_rows: cutlass.Constexpr, kb_n: cutlass.Constexpr, nblk: cutlass.Constexpr, planes: Int64,
-             exps: Int64, ctl: Int32, n_copy: cutlass.Constexpr = -1, per_bar: cutlass.Constexpr = 0):
+             exps: Int64, ctl: Int32, n_copy: cutlass.Constexpr = -1, per_bar: cutlass.Constexpr = 0, w_on=None):
     """cp.async of K128 block ``kb`` into the stage at ``sb``: weights (swizzled), scales, B planes, exponents (of the
     first ``n_copy`` slots of the stage's ``slots``; -1: all).
 
     ``per_bar`` > 0 (a `kpair` pass, its stages meeting at a barrier every ``per_bar``): ``kb`` is a stage of two
     half tiles, rows row0 .. row0 + 63 of K128 tile `kpair_tile` (kb, 0) as the stage's rows 0-63 and B slots 0 ..
-    n_copy - 1, of tile (kb, 1) as rows 64-127 and slots 4 .. 3 + n_copy."""
+    n_copy - 1, of tile (kb, 1) as rows 64-127 and slots 4 .. 3 + n_copy. ``w_on`` (an Int32, `w_early`): 0 leaves
+    the weights and scales out, `_issue_w` copied them before the item's wait."""
+    if cutlass.const_expr(w_on is None):
+      self._issue_w(kb, sb, pw_e, psc_e, row0, n_rows, kb_n, per_bar)
+    else:
+      if w_on != 0:
+        self._issue_w(kb, sb, pw_e, psc_e, row0, n_rows, kb_n, per_bar)
+    self._issue_x(kb, sb, slots, nblk, planes, exps, ctl, n_copy, per_bar)
+
+  @cute.jit
+  def _issue_w(self, kb: Int32, sb: Int32, pw_e: Int64, psc_e: Int64, row0: Int32, n_rows: cutlass.Constexpr,
+               kb_n: cutlass.Constexpr, per_bar: cutlass.Constexpr = 0):
+    """`_issue`'s weights and scale words: what a stage holds that the call's activations do not decide."""
     tid, _, _ = cute.arch.thread_idx()
-    n_copy = slots if cutlass.const_expr(n_copy < 0) else n_copy
     halves = 2 if cutlass.const_expr(per_bar) else 1
     rows = TILE_M // halves
     assert not (per_bar and self.qmma)
@@ -3298,6 +3388,14 @@ class RoleKernelsV2(v1.RoleKernelsV1):
              psc_e + (Int64(row0 + tid % rows) * kb_n + _stage_tile(kb, tid // rows, per_bar)) * v1.WORD_BYTES)
       else:
         _cp4(sb + W_BYTES + tid * 4, psc_e + (Int64(row0 + tid) * kb_n + kb) * v1.WORD_BYTES)
+
+  @cute.jit
+  def _issue_x(self, kb: Int32, sb: Int32, slots: cutlass.Constexpr, nblk: cutlass.Constexpr, planes: Int64,
+               exps: Int64, ctl: Int32, n_copy: cutlass.Constexpr = -1, per_bar: cutlass.Constexpr = 0):
+    """`_issue`'s B side: the exponent chunks and the digit planes of the slots' rows."""
+    tid, _, _ = cute.arch.thread_idx()
+    n_copy = slots if cutlass.const_expr(n_copy < 0) else n_copy
+    halves = 2 if cutlass.const_expr(per_bar) else 1
     xe_off = W_BYTES + SC_BYTES
     xp_off = xe_off + slots * 16
     if tid < halves * n_copy:
