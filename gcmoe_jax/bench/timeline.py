@@ -24,8 +24,8 @@ import numpy as np
 from gcmoe_jax import _config
 from gcmoe_jax.kernels import abi
 
-__all__ = ["ItemStats", "LayerTimeline", "call_ranges", "item_ranges", "item_stats", "kinds_markdown", "parse_slot",
-           "records", "summarize", "to_markdown"]
+__all__ = ["ItemStats", "LayerTimeline", "SmSharing", "call_ranges", "item_ranges", "item_stats", "kinds_markdown",
+           "parse_slot", "records", "sharing_markdown", "sm_sharing", "summarize", "to_markdown"]
 
 
 @dataclasses.dataclass
@@ -165,6 +165,54 @@ def item_stats(words: np.ndarray, ranges: dict[str, tuple[int, int]]) -> list[It
   return out
 
 
+@dataclasses.dataclass
+class SmSharing:
+  """Routed GEMM1 items by what ran beside them on their SM (``%smid``, word 5 of a CTA's record): the durations
+  (us) of those that were their CTA's first item, ``alone`` where no other CTA on the SM began with a GEMM1 item and
+  ``beside`` where one did; and ``per_sm``, the median duration of every recorded GEMM1 item per SM."""
+
+  alone: np.ndarray
+  beside: np.ndarray
+  per_sm: dict[int, float]
+
+
+def sm_sharing(words: np.ndarray, gemm1_items: int | tuple[int, int]) -> SmSharing | None:
+  """`SmSharing` of one call slot (``gemm1_items`` as for `summarize`); None where the build recorded no SM (a
+  timeline build before session 41)."""
+  s = parse_slot(words)
+  lo, hi = (0, gemm1_items) if isinstance(gemm1_items, int) else gemm1_items
+  used = np.flatnonzero(s["used"])
+  cta, it = s["cta"].astype(np.int64)[used], s["item"].astype(np.int64)[used]
+  sm = cta[:, 5] - 1
+  if not used.size or (sm < 0).any():
+    return None
+  n = np.minimum(cta[:, 4], abi.TL_ITEMS)
+  in_g1 = (it[:, :, 0] >= lo) & (it[:, :, 0] < hi) & (np.arange(abi.TL_ITEMS)[None, :] < n[:, None])
+  dur = (it[:, :, 3] - it[:, :, 1]) / 1e3
+  first = in_g1[:, 0]
+  starts = np.bincount(sm[first], minlength=int(sm.max()) + 1)  # CTAs per SM that began with a GEMM1 item
+  per_sm = {int(m): float(np.median(dur[sm == m][in_g1[sm == m]])) for m in np.unique(sm) if in_g1[sm == m].any()}
+  return SmSharing(dur[first & (starts[sm] == 1), 0], dur[first & (starts[sm] > 1), 0], per_sm)
+
+
+def sharing_markdown(rows: Sequence[tuple[int, list[SmSharing]]]) -> str:
+  """A line per batch over its layers' `SmSharing`: the first GEMM1 items alone on their SM and beside another
+  (count, median us), and the range of the per-SM medians."""
+  out = ["| B | GEMM1 items alone on their SM (n, median us) | beside another GEMM1 item (n, median us) | "
+         "per-SM medians (min-max us, SMs) |", "| --- " * 4 + "|"]
+  for b, layers in rows:
+    alone = np.concatenate([x.alone for x in layers])
+    beside = np.concatenate([x.beside for x in layers])
+    per_sm = {}
+    for x in layers:
+      for m, v in x.per_sm.items():
+        per_sm.setdefault(m, []).append(v)
+    meds = [float(np.median(v)) for v in per_sm.values()]
+    f = lambda d: f"{d.size}, {np.median(d):.1f}" if d.size else "0, -"
+    out.append(f"| {b} | {f(alone)} | {f(beside)} | {min(meds):.1f}-{max(meds):.1f}, {len(meds)} |")
+  return "\n".join(out)
+
+
 def kinds_markdown(rows: Sequence[tuple[int, int, list[ItemStats]]]) -> str:
   """A table of ``(batch, layer, item stats)`` rows, one line per item kind."""
   out = ["| B | layer | items | count | first claim | last end | claim to end med/max |", "| --- " * 7 + "|"]
@@ -193,7 +241,8 @@ def to_markdown(rows: Sequence[tuple[int, int, LayerTimeline]]) -> str:
 
 
 def _run(model: str, batches: Sequence[int], chain: int, shared: bool, save: str | None = None
-         ) -> tuple[list[tuple[int, int, LayerTimeline]], list[tuple[int, int, list[ItemStats]]]]:
+         ) -> tuple[list[tuple[int, int, LayerTimeline]], list[tuple[int, int, list[ItemStats]]],
+                    list[tuple[int, list[SmSharing]]]]:
   import jax  # noqa: PLC0415 - the parser above needs no jax
 
   from gcmoe_jax.bench import sweep  # noqa: PLC0415
@@ -201,7 +250,7 @@ def _run(model: str, batches: Sequence[int], chain: int, shared: bool, save: str
 
   shape = sweep.model_shape(model, shared=shared)
   p = sweep._Problem(shape, 0)  # noqa: SLF001 - the bench's weights and routes, not a copy of them
-  rows, kinds, raw_slots = [], [], {}
+  rows, kinds, sharing, raw_slots = [], [], [], {}
   j1, j2 = 2 * shape.intermediate // 128, shape.hidden // 128
   n_cb, n_hb = (shape.shared_intermediate // 32, shape.hidden // 64) if shared else (0, 0)
   for b in batches:
@@ -217,6 +266,7 @@ def _run(model: str, batches: Sequence[int], chain: int, shared: bool, save: str
     raw_slots[f"slots_b{b}"], raw_slots[f"ids_b{b}"] = slots[order], ids_np
     capacity = _cuda.capacity_for(min(b, _cuda.CAPACITIES[-1]))
     queue = abi.item_order(capacity, _config.get("GCMOE_ABLATION"))
+    sharing.append((b, []))
     for layer, si in enumerate(order):
       hit = np.unique(ids_np[layer][ids_np[layer] >= 0]).size
       items = int(records(slots[si])[1][:, 4].sum())
@@ -225,9 +275,12 @@ def _run(model: str, batches: Sequence[int], chain: int, shared: bool, save: str
       t = summarize(slots[si], ranges["routed GEMM1"])
       rows.append((b, layer, t))
       kinds.append((b, layer, item_stats(slots[si], ranges)))
+      by_sm = sm_sharing(slots[si], ranges["routed GEMM1"])
+      if by_sm is not None:
+        sharing[-1][1].append(by_sm)
   if save:
     np.savez_compressed(save, **raw_slots)
-  return rows, kinds
+  return rows, kinds, [(b, x) for b, x in sharing if x]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -246,10 +299,13 @@ def main(argv: Sequence[str] | None = None) -> int:
   if a.shared:
     print("timeline: note: the first table's GEMM1 columns are the routed GEMM1 items', its GEMM2 columns every other "
           "item's (the second table separates the kinds)", file=sys.stderr)
-  rows, kinds = _run(a.model, [int(v) for v in a.batch.split(",")], a.chain, a.shared, a.save)
+  rows, kinds, sharing = _run(a.model, [int(v) for v in a.batch.split(",")], a.chain, a.shared, a.save)
   print(to_markdown(rows))
   print()
   print(kinds_markdown(kinds))
+  if sharing:
+    print()
+    print(sharing_markdown(sharing))
   return 0
 
 
