@@ -180,10 +180,10 @@ KPAIR_TOKENS = 2
 # prefetches into L2 the weights of one of the last routed GEMM2 items of the queue, as many as `L2_AHEAD_BYTES` hold
 # (docs/kernels_v2.md "GEMM2 weights into L2 ahead").
 L2_AHEAD_TOKENS = 2
-# `GCMOE_ABLATION=shallow`: one-tile passes keep this many pipeline stages (the paired barrier's least), so each CTA
-# has 4 K128 stages of copies in flight instead of 6 (timing: whether fewer bytes in flight share DRAM more evenly).
-SHALLOW_STAGES = 6
 L2_AHEAD_BYTES = 24 << 20
+# `GCMOE_ABLATION=shallow`: one-tile passes keep this many pipeline stages (the paired barrier's least), so each CTA
+# has 4 K128 stages of copies in flight instead of 6 (timing: 1-5 % slower at B = 2-8 on the H100, as fast at B = 1).
+SHALLOW_STAGES = 6
 KPAIR_P_BYTES = 32 * 16  # a warp's p of one stage in a `kpair` pass: four blocks' p per lane, one 16 B store
 DECODE_TABLES = (POS2_LO, NEG_LO, POS_LO, SIGN_SELECT)  # the table words `_stage` reads from `CTL_TABLES`
 # The B columns of the one- and two-row bodies (`_stage`): column n is read by lane group g = n. One row: planes
