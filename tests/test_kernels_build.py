@@ -669,10 +669,10 @@ def test_the_l2ahead_build_prefetches_gemm2_weights_and_streams_weights_evict_fi
 @needs_dsl
 @pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
 def test_the_wearly_builds_copy_weights_before_their_waits(cache, monkeypatch):
-  """GCMOE_ABLATION=wearly / wearly1 / wearlyl2 (docs/kernels_v2.md "Weights before the waits"): each under its own
-  key with roles 1 and 3 as they are and role 2's MMAs unchanged in number; role 2 holds more weight copies (a
-  GEMM2 item's first stages before its wait; with wearly1 also a CTA's first GEMM1 item's before the phase-0 wait),
-  and only wearlyl2 the L2 prefetches of a GEMM2 item's other K128 tiles, one each."""
+  """GCMOE_ABLATION=wearly / wearly1 / wearlyl2 (docs/kernels_v2.md "The H100 timeline, and three ideas that did not
+  pay"): each under its own key with roles 1 and 3 as they are and role 2's MMAs unchanged in number; role 2 holds
+  more weight copies (a GEMM2 item's first stages before its wait; with wearly1 also a CTA's first GEMM1 item's
+  before the phase-0 wait), and only wearlyl2 the L2 prefetches of a GEMM2 item's other K128 tiles, one each."""
   from gcmoe_jax.kernels import roles_v2
   mid = dataclasses.replace(SMALL, intermediate=1024, capacity=8)  # 8 K128 tiles of GEMM2: some left for L2
   normal = build.compile_variant("sm_90a", mid, cache_dir=cache)

@@ -128,6 +128,8 @@ def test_sm_sharing_splits_the_first_gemm1_items_by_their_sms_other_ctas():
   assert s.per_sm == {5: 42.0, 6: 27.5}
   table = timeline.sharing_markdown([(1, [s, s])])
   assert "| 1 | 2, 25.0 | 4, 42.0 | 27.5-42.0, 2 |" in table
+  none = timeline.SmSharing(np.zeros(0), np.zeros(0), {})  # (a call whose CTAs began with no GEMM1 item)
+  assert "| 2 | 0, - | 0, - | -, 0 |" in timeline.sharing_markdown([(2, [none])])
   for b in ctas:  # a build before the SM word: nothing to split
     w[abi.TL_HEAD + b * abi.TL_CTA_WORDS + 5] = 0
   assert timeline.sm_sharing(w, 4) is None

@@ -209,7 +209,8 @@ def sharing_markdown(rows: Sequence[tuple[int, list[SmSharing]]]) -> str:
         per_sm.setdefault(m, []).append(v)
     meds = [float(np.median(v)) for v in per_sm.values()]
     f = lambda d: f"{d.size}, {np.median(d):.1f}" if d.size else "0, -"
-    out.append(f"| {b} | {f(alone)} | {f(beside)} | {min(meds):.1f}-{max(meds):.1f}, {len(meds)} |")
+    span = f"{min(meds):.1f}-{max(meds):.1f}, {len(meds)}" if meds else "-, 0"
+    out.append(f"| {b} | {f(alone)} | {f(beside)} | {span} |")
   return "\n".join(out)
 
 
