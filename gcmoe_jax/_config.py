@@ -26,10 +26,10 @@ def _ablation(text: str) -> str:
   if text not in ("", "nomath", "nogemm2", "widedecode", "tma", "static", "evenbodies",
                   "timeline", "nosingle", "twoplane", "stagebar", "sharedfirst",
                   "routedfirst", "regpull", "onecta", "nofourrow", "stagetest", "kpair", "l2ahead",
-                  "wearly", "wearly1", "wearlyl2", "shallow", "spin"):
+                  "wearly", "wearly1", "wearlyl2", "shallow", "spin", "bar4"):
     raise ValueError("expected nomath, nogemm2, widedecode, tma, static, evenbodies, timeline, nosingle, twoplane, "
                      "stagebar, sharedfirst, routedfirst, regpull, onecta, nofourrow, stagetest, kpair, l2ahead, "
-                     "wearly, wearly1, wearlyl2, shallow, spin or empty")
+                     "wearly, wearly1, wearlyl2, shallow, spin, bar4 or empty")
   return text
 
 
@@ -133,7 +133,9 @@ VARS = {v.name: v for v in (
                                        "keep 6 pipeline stages, 4 in flight (exact, 1-5 % slower at B = 2-8 on "
                                        "the H100, session 41, for A/B timing); spin: roles 2 and 3 poll with "
                                        "relaxed loads and no nanosleep (exact, within the runs' spread at B = "
-                                       "1-8, session 41, for A/B timing)); "
+                                       "1-8, session 41, for A/B timing); bar4: one-tile passes whose K128 "
+                                       "stages come in fours meet at a CTA barrier every four stages, results "
+                                       "exact, for A/B timing); "
                                        "part of the cubin key"),
   Var("GCMOE_WAIT_TIMEOUT_MS", _wait_ms, 2000, "bound of every device spin-wait; expiry becomes a Python exception"),
   Var("GCMOE_FIRST_WAIT_TIMEOUT_MS", _wait_ms, 120_000, "bound of the spin-waits of the first call of the fused "

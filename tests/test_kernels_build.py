@@ -716,6 +716,23 @@ def test_the_shallow_and_spin_builds_keep_role_1_and_the_mmas(cache, monkeypatch
 
 @needs_dsl
 @pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
+def test_the_bar4_build_meets_every_four_stages_of_its_one_tile_passes(cache, monkeypatch):
+  """GCMOE_ABLATION=bar4 (timing): one-tile passes whose K128 stages come in fours (SMALL's GEMM1, K = 512) meet at a
+  CTA barrier every four stages, so their loop body holds two pairs of stage bodies where the normal build holds
+  one: more MMA instructions in role 2's code for the same work; its own key, roles 1 and 3 as they are."""
+  from gcmoe_jax.kernels import roles_v2
+  k = roles_v2.RoleKernelsV2(SMALL)
+  monkeypatch.setenv("GCMOE_ABLATION", "bar4")
+  assert roles_v2.RoleKernelsV2(SMALL)._per_bar(1, 8, 4) == 4 and roles_v2.RoleKernelsV2(SMALL)._per_bar(1, 8, 2) == 2
+  monkeypatch.delenv("GCMOE_ABLATION")
+  assert k._per_bar(1, 8, 4) == 2
+  normal, bar4 = _role2_only_ablation("bar4", cache, monkeypatch, SMALL)
+  a, b = _ptx(normal, 2), _ptx(bar4, 2)
+  assert b.count("mma.sync.aligned.m16n8k32") > a.count("mma.sync.aligned.m16n8k32")
+
+
+@needs_dsl
+@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
 def test_the_routedfirst_build_changes_only_role_2s_item_order(cache, monkeypatch):
   """GCMOE_ABLATION=routedfirst (the routed items first, the queue before session 18, for A/B timing) builds under
   its own key, with roles 1 and 3 as they are and role 2's MMAs and stores unchanged in number: only the item

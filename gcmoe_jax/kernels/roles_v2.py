@@ -921,7 +921,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # A routed GEMM2 item of one pass of up to 8 rows copies its first stages' weights and scale words into the
     # pipeline before it waits for its expert's GEMM1 items (`_w_ahead`; `GCMOE_ABLATION=wearly`, and `wearlyl2`
     # also prefetches the item's other stages into L2): at B = 1 the GEMM2 items of the first round wait 11-17 us on
-    # the H100. Exact, and not faster (docs/kernels_v2.md "The H100 timeline, and three ideas that did not pay").
+    # the H100. Exact, and not faster (docs/kernels_v2.md "The H100 timeline, and four ideas that did not pay").
     self.w_early = (self.ablation in ("wearly", "wearly1", "wearlyl2") and not self.fused and not self.qmma
                     and not self.tma and not self.kpair)
     self.w_early_l2 = self.w_early and self.ablation == "wearlyl2"
@@ -1735,6 +1735,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   def _per_bar(self, nt: int, n_st: int, n_kb: int) -> int:
     """K128 stages per CTA barrier of a pass of ``nt`` n-tiles (`_cpasync_mainloop`): two in narrow passes
     (`PAIRED_BARRIER_NT`) where the stages pair up and the pipeline is deep enough, else one."""
+    if self.ablation == "bar4" and nt == 1 and n_kb % 4 == 0 and n_st >= 8:
+      return 4  # (timing: a barrier every four stages of the one-tile passes, 4 in flight while 4 compute)
     return 2 if self.paired_barrier and nt <= PAIRED_BARRIER_NT and n_kb % 2 == 0 and n_st >= 6 else 1
 
   def _per2(self, ctl: Int32) -> Int32:
@@ -3077,9 +3079,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
                       exps, ctl, n_copy, kpair_bar)
         _commit()
       p_out = pbuf + (kq % 2) * p_set if cutlass.const_expr(kpair) else None
-      if cutlass.const_expr(per_bar == 2 and self.pair_test):
-        self._compute(nt, (pipe + (kb % n_st) * st_bytes, pipe + ((kb + 1) % n_st) * st_bytes), rows_fast, acc,
-                      single, tabs, pair, p_out, 0, per_bar)
+      if cutlass.const_expr(per_bar % 2 == 0 and self.pair_test):
+        for q2 in cutlass.range_constexpr(0, per_bar, 2):  # (`bar4`: two pairs between barriers)
+          self._compute(nt, (pipe + ((kb + q2) % n_st) * st_bytes, pipe + ((kb + q2 + 1) % n_st) * st_bytes),
+                        rows_fast, acc, single, tabs, pair, p_out, q2, per_bar)
       else:
         for q in cutlass.range_constexpr(per_bar):
           self._compute(nt, (pipe + ((kb + q) % n_st) * st_bytes,), rows_fast, acc, single, tabs, pair, p_out, q,
