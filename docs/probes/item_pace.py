@@ -1,0 +1,126 @@
+"""Role 2's items at small B with the SM's pace: a time-stepped schedule model, no GPU.
+
+    python docs/probes/item_pace.py [--model glm5.2 dsv4.1-flash] [--batch 1 2] [--draws 10] [--item-spread 0.25]
+
+`item_balance.py` counts stages; the session-41 timeline (docs/kernels_v2.md "The H100 timeline, and four ideas that
+did not pay") says a stage's time depends on the SM: a GEMM1 item alone on its SM (the SM's other CTA waiting)
+took 31 us at GLM5.2 B = 1 and 46 us beside another GEMM1 item (DSV4.1-Flash 26 and 37), so two CTAs that both
+compute share their SM at ~1.4x the throughput of one, and a waiting CTA (its bounded spin sleeps) leaves its SM to
+the other. This model replays role 2's queue (items claimed in queue order by whichever CTA is free, two CTAs on
+each of 132 SMs, every GEMM1 item of the experts hit and then every GEMM2 item) in steps of ``--dt`` us, where a CTA
+that computes takes ``alone`` us per stage when its SM's other CTA does not compute and ``beside`` us when it does
+(`PACE`); each expert's stages take a random factor around 1 (``--spread``) and each item's another
+(``--item-spread``; 0.25 reproduces the timeline's GEMM phases at B = 1-2 within 3 %).
+
+GEMM2 rules: ``expert`` (the kernel: a GEMM2 item starts once every GEMM1 item of its expert is done), ``block`` (a
+hypothetical build: its K128 stage kb waits only for the two GEMM1 items that produce that block of the
+intermediate, GEMM1 items 2 kb and 2 kb + 1, so the item runs while its expert's last GEMM1 items do; the K order,
+and so the bits, are unchanged) and ``none`` (no GEMM2 item waits: a bound on what the dependency costs). It prints
+their makespans, in us, beside the timeline's measured GEMM phases (first GEMM1 start to last GEMM2 end) where it
+has them. What it leaves out: copies (a stage's time is its math at B <= 2, as the timeline and Nsight Compute
+say), role 2's prologue and combine, the shared expert, and the longer stages of the four-row body (B >= 4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+from gcmoe_jax.bench import sweep  # noqa: E402
+from gcmoe_jax.kernels import roles_v2  # noqa: E402
+
+# us per K128 stage, one CTA alone on its SM / beside another computing CTA (the H100 timeline of session 41: GEMM1
+# items of 48 stages at GLM5.2 B = 1, 31.2 / 46.0 us; GEMM2 items of 16 stages 11.6 us, most beside another)
+PACE = {"glm5.2": {1: (31.2 / 48, 46.0 / 48), 2: (11.6 / 16 / 1.45, 11.6 / 16)},
+        "dsv4.1-flash": {1: (25.9 / 40, 36.6 / 40), 2: (13.2 / 18 / 1.4, 13.2 / 18)}}
+# us, the timeline's medians over 8 layers (its paces hold for passes of one or two rows, B <= 2; from B = 4 the
+# four-row body's stages take longer than the model's)
+MEASURED = {("glm5.2", 1): 82.3 - 3.1, ("glm5.2", 2): 121.0 - 3.1, ("glm5.2", 4): 188.9 - 3.3,
+            ("dsv4.1-flash", 1): 65.0 - 3.1, ("dsv4.1-flash", 2): 97.4 - 3.1, ("dsv4.1-flash", 4): 151.6 - 3.1}
+
+
+def simulate(hit: int, j1: int, j2: int, s1: int, s2: int, pace: dict, factor: np.ndarray, rule: str,
+             sms: int = 132, dt: float = 0.05) -> float:
+  """The makespan (us) of ``hit`` experts' items on 2 ``sms`` CTAs under ``rule`` ("expert", "block", or "none": no
+  GEMM2 item waits, a bound);
+  ``factor``: each item's stage-time factor, GEMM1 items then GEMM2 items in queue order."""
+  ctas = 2 * sms
+  n1, n2 = hit * j1, hit * j2
+  alone = np.array([pace[1][0], pace[2][0]])  # us per stage: GEMM1, GEMM2
+  beside = np.array([pace[1][1], pace[2][1]])
+  nxt = 0  # the queue's next item: GEMM1 items 0 .. n1 - 1 (expert-major), then GEMM2 items
+  item = np.full(ctas, -1)
+  left = np.zeros(ctas)  # stages left of the CTA's item
+  g1_done = np.zeros((hit, j1), bool)
+  t, done2 = 0.0, 0
+  while done2 < n2:
+    for c in np.flatnonzero(item < 0):  # free CTAs claim in queue order
+      if nxt >= n1 + n2:
+        break
+      item[c], left[c] = nxt, (s1 if nxt < n1 else s2)
+      nxt += 1
+    busy = item >= 0
+    g2 = busy & (item >= n1)
+    e = np.clip(np.where(item >= n1, (item - n1) // j2, item // j1), 0, hit - 1)
+    # A GEMM2 item computes only while the inputs of its next stage are done; else its CTA waits (and sleeps).
+    if rule == "expert":
+      inputs = g1_done.all(axis=1)[e]
+    elif rule == "none":
+      inputs = np.ones(ctas, bool)
+    else:
+      kb = np.clip(s2 - np.ceil(left - 1e-9).astype(int), 0, s2 - 1)  # the stage it is on
+      inputs = g1_done[e, 2 * kb] & g1_done[e, 2 * kb + 1]
+    computing = busy & (~g2 | inputs)
+    shared = np.repeat(computing.reshape(sms, 2).sum(axis=1) == 2, 2)
+    kind = (item >= n1).astype(int)
+    us_per_stage = np.where(shared, beside[kind], alone[kind]) * factor[np.maximum(item, 0)]
+    left = np.where(computing, left - dt / us_per_stage, left)
+    t += dt
+    for c in np.flatnonzero(busy & (left <= 1e-9)):
+      if item[c] < n1:
+        g1_done[item[c] // j1, item[c] % j1] = True
+      else:
+        done2 += 1
+      item[c] = -1
+  return t
+
+
+def main(argv: list[str] | None = None) -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--model", nargs="+", default=["glm5.2", "dsv4.1-flash"])
+  ap.add_argument("--batch", nargs="+", type=int, default=[1, 2])
+  ap.add_argument("--draws", type=int, default=10)
+  ap.add_argument("--spread", type=float, default=0.08, help="relative spread of the experts' stage times")
+  ap.add_argument("--item-spread", type=float, default=0.25, help="relative spread of each item's stage times")
+  ap.add_argument("--dt", type=float, default=0.05, help="time step, us")
+  a = ap.parse_args(argv)
+  print("| model | B | rule expert (us) | rule block (us) | change | no waits (a bound) | timeline, GEMM phases (us) |")
+  print("| --- " * 7 + "|")
+  for model in a.model:
+    shape = sweep.model_shape(model)
+    tile = roles_v2.TILE_M
+    j1, j2 = 2 * shape.intermediate // tile, shape.hidden // tile
+    s1, s2 = shape.hidden // 128, shape.intermediate // 128
+    for b in a.batch:
+      rng = np.random.default_rng(0)
+      res = []
+      for _ in range(a.draws):
+        hit = len(np.unique(np.stack([rng.choice(shape.experts, shape.top_k, replace=False) for _ in range(b)])))
+        per_expert = 1 + a.spread * rng.uniform(-1, 1, hit)
+        factor = np.concatenate([np.repeat(per_expert, j1), np.repeat(per_expert, j2)])
+        factor = factor * (1 + a.item_spread * rng.uniform(-1, 1, factor.size))
+        res.append([simulate(hit, j1, j2, s1, s2, PACE[model], factor, rule, dt=a.dt)
+                    for rule in ("expert", "block", "none")])
+      ex, bl, free = np.mean(res, axis=0)
+      m = MEASURED.get((model, b))
+      print(f"| {shape.name} | {b} | {ex:.1f} | {bl:.1f} | {100 * (bl / ex - 1):+.1f} % | {free:.1f} | "
+            f"{'-' if m is None else f'{m:.1f}'} |")
+
+
+if __name__ == "__main__":
+  main()
