@@ -45,10 +45,11 @@ MEASURED = {("glm5.2", 1): 82.3 - 3.1, ("glm5.2", 2): 121.0 - 3.1, ("glm5.2", 4)
 
 
 def simulate(hit: int, j1: int, j2: int, s1: int, s2: int, pace: dict, factor: np.ndarray, rule: str,
-             sms: int = 132, dt: float = 0.05) -> float:
+             sms: int = 132, dt: float = 0.05, parts: int = 1) -> float:
   """The makespan (us) of ``hit`` experts' items on 2 ``sms`` CTAs under ``rule`` ("expert", "block", or "none": no
   GEMM2 item waits, a bound);
-  ``factor``: each item's stage-time factor, GEMM1 items then GEMM2 items in queue order."""
+  ``factor``: each item's stage-time factor, GEMM1 items then GEMM2 items in queue order; ``parts``: GEMM2 items of
+  s2 stages that are K parts (part q % parts of the expert's GEMM2 item q covers K128 blocks from part * s2)."""
   ctas = 2 * sms
   n1, n2 = hit * j1, hit * j2
   alone = np.array([pace[1][0], pace[2][0]])  # us per stage: GEMM1, GEMM2
@@ -73,7 +74,8 @@ def simulate(hit: int, j1: int, j2: int, s1: int, s2: int, pace: dict, factor: n
     elif rule == "none":
       inputs = np.ones(ctas, bool)
     else:
-      kb = np.clip(s2 - np.ceil(left - 1e-9).astype(int), 0, s2 - 1)  # the stage it is on
+      part = np.where(item >= n1, (item - n1) % j2 % parts, 0)
+      kb = part * s2 + np.clip(s2 - np.ceil(left - 1e-9).astype(int), 0, s2 - 1)  # the K128 block it is on
       inputs = g1_done[e, 2 * kb] & g1_done[e, 2 * kb + 1]
     computing = busy & (~g2 | inputs)
     shared = np.repeat(computing.reshape(sms, 2).sum(axis=1) == 2, 2)
@@ -98,14 +100,18 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--spread", type=float, default=0.08, help="relative spread of the experts' stage times")
   ap.add_argument("--item-spread", type=float, default=0.25, help="relative spread of each item's stage times")
   ap.add_argument("--dt", type=float, default=0.05, help="time step, us")
+  ap.add_argument("--g2-parts", type=int, default=1, help="GEMM2 items split along K into this many parts that any "
+                  "CTA may take (a hypothetical build; each part waits as its rule says), e.g. 2")
   a = ap.parse_args(argv)
   print("| model | B | rule expert (us) | rule block (us) | change | no waits (a bound) | timeline, GEMM phases (us) |")
   print("| --- " * 7 + "|")
   for model in a.model:
     shape = sweep.model_shape(model)
     tile = roles_v2.TILE_M
-    j1, j2 = 2 * shape.intermediate // tile, shape.hidden // tile
-    s1, s2 = shape.hidden // 128, shape.intermediate // 128
+    j1, j2 = 2 * shape.intermediate // tile, shape.hidden // tile * a.g2_parts
+    s1, s2 = shape.hidden // 128, shape.intermediate // 128 // a.g2_parts
+    if s2 * a.g2_parts != shape.intermediate // 128:
+      ap.error(f"--g2-parts {a.g2_parts} does not divide {shape.name}'s {shape.intermediate // 128} GEMM2 stages")
     for b in a.batch:
       rng = np.random.default_rng(0)
       res = []
@@ -114,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         per_expert = 1 + a.spread * rng.uniform(-1, 1, hit)
         factor = np.concatenate([np.repeat(per_expert, j1), np.repeat(per_expert, j2)])
         factor = factor * (1 + a.item_spread * rng.uniform(-1, 1, factor.size))
-        res.append([simulate(hit, j1, j2, s1, s2, PACE[model], factor, rule, dt=a.dt)
+        res.append([simulate(hit, j1, j2, s1, s2, PACE[model], factor, rule, dt=a.dt, parts=a.g2_parts)
                     for rule in ("expert", "block", "none")])
       ex, bl, free = np.mean(res, axis=0)
       m = MEASURED.get((model, b))
