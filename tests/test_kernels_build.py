@@ -677,7 +677,7 @@ def test_the_wearly_builds_copy_weights_before_their_waits(cache, monkeypatch):
   mid = dataclasses.replace(SMALL, intermediate=1024, capacity=8)  # 8 K128 tiles of GEMM2: some left for L2
   normal = build.compile_variant("sm_90a", mid, cache_dir=cache)
   k = roles_v2.RoleKernelsV2(mid)
-  n_st = roles_v2.stages(1, k.pipe_bytes, k.token_stride, k.w_bytes)
+  n_st = k._pass_stages(1)
   kb_n = mid.intermediate // 128
   ahead = kb_n - min(n_st - k._per_bar(1, n_st, kb_n), kb_n)
   assert ahead > 0

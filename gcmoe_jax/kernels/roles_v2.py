@@ -1704,8 +1704,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     v = self.v
     kb_n = v.intermediate // v1.K128
     pw_e = w2 + Int64(e) * (kb_n * v.hidden * v1.FP4_TILE_BYTES)
-    for kb in cutlass.range_constexpr(kb_n):
-      _prefetch_l2(pw_e + (Int64(kb) * v.hidden + j * TILE_M) * v1.FP4_TILE_BYTES, W_BYTES)
+    self._prefetch_tiles(pw_e, v.hidden, j * TILE_M, 0, kb_n)
     _prefetch_l2(w2_scale + (Int64(e) * v.hidden + j * TILE_M) * (kb_n * v1.WORD_BYTES), TILE_M * kb_n * v1.WORD_BYTES)
 
   @cute.jit
@@ -1717,11 +1716,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     v = self.v
     n_rows = v.hidden if cutlass.const_expr(g2) else 2 * v.intermediate
     kb_n = (v.intermediate if cutlass.const_expr(g2) else v.hidden) // v1.K128
-    n_st = stages(1, self.pipe_bytes, self.token_stride, self.w_bytes)
+    n_st = self._pass_stages(1)
     st_bytes = stage_bytes(1, self.token_stride, self.w_bytes)
     n_pro = min(n_st - self._per_bar(1, n_st, kb_n), kb_n)
-    pw_e = pw + Int64(e) * (kb_n * n_rows * v1.FP4_TILE_BYTES)
-    psc_e = psc + Int64(e) * (n_rows * kb_n * v1.WORD_BYTES)
+    pw_e, psc_e = self._expert_weights(e, pw, psc, n_rows, kb_n)
     row0 = j * TILE_M
     for s in cutlass.range_constexpr(n_pro):
       self._issue_w(s, pipe + s * st_bytes, pw_e, psc_e, row0, n_rows, kb_n)
@@ -1729,8 +1727,26 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     if cutlass.const_expr(self.w_early_l2):
       tid, _, _ = cute.arch.thread_idx()
       if tid == 0:
-        for kb in cutlass.range_constexpr(n_pro, kb_n):
-          _prefetch_l2(pw_e + (Int64(kb) * n_rows + row0) * v1.FP4_TILE_BYTES, W_BYTES)
+        self._prefetch_tiles(pw_e, n_rows, row0, n_pro, kb_n)
+
+  def _pass_stages(self, nt: int) -> int:
+    """Pipeline stages of a pass of ``nt`` n-tiles in the pipeline area (`GCMOE_ABLATION=shallow`: at most
+    `SHALLOW_STAGES` in one-tile passes)."""
+    n = stages(nt, self.pipe_bytes, self.token_stride, self.w_bytes)
+    return min(n, SHALLOW_STAGES) if self.ablation == "shallow" and nt == 1 else n
+
+  def _expert_weights(self, e: Int32, pw: Int64, psc: Int64, n_rows: int, kb_n: int) -> tuple[Int64, Int64]:
+    """Expert e's E2M1 tiles (``[E, K/128, N, 64 B]``) and scale words (``[E, N, K/128]``) in the weight tensor at
+    ``pw`` / scales at ``psc`` of ``n_rows`` rows N and ``kb_n`` K128 tiles."""
+    return (pw + Int64(e) * (kb_n * n_rows * v1.FP4_TILE_BYTES), psc + Int64(e) * (n_rows * kb_n * v1.WORD_BYTES))
+
+  @cute.jit
+  def _prefetch_tiles(self, pw_e: Int64, n_rows: cutlass.Constexpr, row0: Int32, kb0: cutlass.Constexpr,
+                      kb1: cutlass.Constexpr):
+    """One thread: bulk L2 prefetches of rows ``row0`` .. ``row0`` + `TILE_M` - 1 of K128 tiles ``kb0`` .. ``kb1`` - 1
+    of an expert's E2M1 tiles at ``pw_e`` (`W_BYTES` each)."""
+    for kb in cutlass.range_constexpr(kb0, kb1):
+      _prefetch_l2(pw_e + (Int64(kb) * n_rows + row0) * v1.FP4_TILE_BYTES, W_BYTES)
 
   def _per_bar(self, nt: int, n_st: int, n_kb: int) -> int:
     """K128 stages per CTA barrier of a pass of ``nt`` n-tiles (`_cpasync_mainloop`): two in narrow passes
@@ -2636,11 +2652,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       exps = wsb + (ws.aexp if cutlass.const_expr(g2) else x_exp)
     flags = wsb + (ws.aflag if cutlass.const_expr(g2) else x_flag)
     st_bytes = stage_bytes(nt, self.token_stride, self.w_bytes)
-    n_st = stages(nt, self.pipe_bytes, self.token_stride, self.w_bytes)
-    if cutlass.const_expr(self.ablation == "shallow" and nt == 1):
-      n_st = min(n_st, SHALLOW_STAGES)
-    pw_e = pw + Int64(e) * (kb_n * n_rows * v1.FP4_TILE_BYTES)
-    psc_e = psc + Int64(e) * (n_rows * kb_n * v1.WORD_BYTES)
+    n_st = self._pass_stages(nt)
+    pw_e, psc_e = self._expert_weights(e, pw, psc, n_rows, kb_n)
     row0 = j * TILE_M
     if cutlass.const_expr(kpair):
       n_st = n_st - 1  # the last stage's room holds the warps' p (`_cpasync_mainloop`)
