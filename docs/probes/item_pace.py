@@ -15,7 +15,10 @@ that computes takes ``alone`` us per stage when its SM's other CTA does not comp
 GEMM2 rules: ``expert`` (the kernel: a GEMM2 item starts once every GEMM1 item of its expert is done), ``block`` (a
 hypothetical build: its K128 stage kb waits only for the two GEMM1 items that produce that block of the
 intermediate, GEMM1 items 2 kb and 2 kb + 1, so the item runs while its expert's last GEMM1 items do; the K order,
-and so the bits, are unchanged) and ``none`` (no GEMM2 item waits: a bound on what the dependency costs). It prints
+and so the bits, are unchanged), ``any`` (the stages out of K order: the item computes whichever of its stages has
+both GEMM1 items done, keeps each block's exact product and adds them in K order at the end, so the bits are
+unchanged too; `GCMOE_ABLATION=kbany` builds it for one-row items) and ``none`` (no GEMM2 item waits: a bound on
+what the dependency costs). It prints
 their makespans, in us, beside the timeline's measured GEMM phases (first GEMM1 start to last GEMM2 end) where it
 has them. What it leaves out: copies (a stage's time is its math at B <= 2, as the timeline and Nsight Compute
 say), role 2's prologue and combine, the shared expert, and the longer stages of the four-row body (B >= 4).
@@ -45,11 +48,14 @@ MEASURED = {("glm5.2", 1): 82.3 - 3.1, ("glm5.2", 2): 121.0 - 3.1, ("glm5.2", 4)
 
 
 def simulate(hit: int, j1: int, j2: int, s1: int, s2: int, pace: dict, factor: np.ndarray, rule: str,
-             sms: int = 132, dt: float = 0.05, parts: int = 1) -> float:
+             sms: int = 132, dt: float = 0.05, parts: int = 1, one_row: np.ndarray | None = None) -> float:
   """The makespan (us) of ``hit`` experts' items on 2 ``sms`` CTAs under ``rule`` ("expert", "block", or "none": no
   GEMM2 item waits, a bound);
   ``factor``: each item's stage-time factor, GEMM1 items then GEMM2 items in queue order; ``parts``: GEMM2 items of
-  s2 stages that are K parts (part q % parts of the expert's GEMM2 item q covers K128 blocks from part * s2)."""
+  s2 stages that are K parts (part q % parts of the expert's GEMM2 item q covers K128 blocks from part * s2);
+  ``one_row`` (rule "any"): the experts whose items may take their stages out of order (the build's: one row), the
+  others' GEMM2 items take theirs in K order, each waiting for its two GEMM1 items, as rule "block" (default: every
+  expert out of order)."""
   ctas = 2 * sms
   n1, n2 = hit * j1, hit * j2
   alone = np.array([pace[1][0], pace[2][0]])  # us per stage: GEMM1, GEMM2
@@ -59,11 +65,15 @@ def simulate(hit: int, j1: int, j2: int, s1: int, s2: int, pace: dict, factor: n
   left = np.zeros(ctas)  # stages left of the CTA's item
   g1_done = np.zeros((hit, j1), bool)
   t, done2 = 0.0, 0
+  stage_done = np.zeros((ctas, s2), bool)  # rule "any": the GEMM2 item's stages done
+  on = np.full(ctas, -1)  # rule "any": the stage the CTA computes
   while done2 < n2:
     for c in np.flatnonzero(item < 0):  # free CTAs claim in queue order
       if nxt >= n1 + n2:
         break
       item[c], left[c] = nxt, (s1 if nxt < n1 else s2)
+      stage_done[c] = False
+      on[c] = -1
       nxt += 1
     busy = item >= 0
     g2 = busy & (item >= n1)
@@ -73,6 +83,20 @@ def simulate(hit: int, j1: int, j2: int, s1: int, s2: int, pace: dict, factor: n
       inputs = g1_done.all(axis=1)[e]
     elif rule == "none":
       inputs = np.ones(ctas, bool)
+    elif rule == "any":
+      # Out of K order: the CTA takes the lowest stage not yet done whose two GEMM1 items are done (its exact
+      # products kept until the ordered sum at the end), so it waits only where none of its stages is ready.
+      part = np.where(item >= n1, (item - n1) % j2 % parts, 0)
+      ready = g1_done[e][:, 0::2] & g1_done[e][:, 1::2]  # [ctas, K128 blocks of the expert]
+      cols = part[:, None] * s2 + np.arange(s2)[None, :]
+      open_ = ready[np.arange(ctas)[:, None], cols] & ~stage_done
+      if one_row is not None:  # the other experts' items: stages in K order, each waiting for its two items
+        first = (~stage_done).argmax(axis=1)  # their next stage in K order
+        in_order = ready[np.arange(ctas)[:, None], cols] & (np.arange(s2)[None, :] == first[:, None]) & ~stage_done
+        open_ = np.where(one_row[e][:, None], open_, in_order)
+      on = np.where(on >= 0, on, np.where(open_.any(axis=1), open_.argmax(axis=1), -1))
+      on = np.where(g2, on, -1)
+      inputs = on >= 0
     else:
       part = np.where(item >= n1, (item - n1) % j2 % parts, 0)
       kb = part * s2 + np.clip(s2 - np.ceil(left - 1e-9).astype(int), 0, s2 - 1)  # the K128 block it is on
@@ -81,7 +105,13 @@ def simulate(hit: int, j1: int, j2: int, s1: int, s2: int, pace: dict, factor: n
     shared = np.repeat(computing.reshape(sms, 2).sum(axis=1) == 2, 2)
     kind = (item >= n1).astype(int)
     us_per_stage = np.where(shared, beside[kind], alone[kind]) * factor[np.maximum(item, 0)]
+    before = left
     left = np.where(computing, left - dt / us_per_stage, left)
+    if rule == "any":  # a whole stage crossed: that stage is done, the CTA picks its next one
+      crossed = g2 & computing & (np.floor(before - 1e-9) > np.floor(left - 1e-9))
+      for c in np.flatnonzero(crossed):
+        stage_done[c, on[c]] = True
+        on[c] = -1
     t += dt
     for c in np.flatnonzero(busy & (left <= 1e-9)):
       if item[c] < n1:
@@ -103,8 +133,9 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--g2-parts", type=int, default=1, help="GEMM2 items split along K into this many parts that any "
                   "CTA may take (a hypothetical build; each part waits as its rule says), e.g. 2")
   a = ap.parse_args(argv)
-  print("| model | B | rule expert (us) | rule block (us) | change | no waits (a bound) | timeline, GEMM phases (us) |")
-  print("| --- " * 7 + "|")
+  print("| model | B | rule expert (us) | rule block (us) | change | rule any (us) | change | any for one-row items, "
+        "block for the others (us) | change | no waits (a bound) | timeline, GEMM phases (us) |")
+  print("| --- " * 11 + "|")
   for model in a.model:
     shape = sweep.model_shape(model)
     tile = roles_v2.TILE_M
@@ -116,15 +147,20 @@ def main(argv: list[str] | None = None) -> None:
       rng = np.random.default_rng(0)
       res = []
       for _ in range(a.draws):
-        hit = len(np.unique(np.stack([rng.choice(shape.experts, shape.top_k, replace=False) for _ in range(b)])))
+        _, rows = np.unique(np.stack([rng.choice(shape.experts, shape.top_k, replace=False) for _ in range(b)]),
+                            return_counts=True)
+        hit = len(rows)
         per_expert = 1 + a.spread * rng.uniform(-1, 1, hit)
         factor = np.concatenate([np.repeat(per_expert, j1), np.repeat(per_expert, j2)])
         factor = factor * (1 + a.item_spread * rng.uniform(-1, 1, factor.size))
         res.append([simulate(hit, j1, j2, s1, s2, PACE[model], factor, rule, dt=a.dt, parts=a.g2_parts)
-                    for rule in ("expert", "block", "none")])
-      ex, bl, free = np.mean(res, axis=0)
+                    for rule in ("expert", "block", "any", "none")]
+                   + [simulate(hit, j1, j2, s1, s2, PACE[model], factor, "any", dt=a.dt, parts=a.g2_parts,
+                               one_row=rows == 1)])
+      ex, bl, anyo, free, any1 = np.mean(res, axis=0)
       m = MEASURED.get((model, b))
-      print(f"| {shape.name} | {b} | {ex:.1f} | {bl:.1f} | {100 * (bl / ex - 1):+.1f} % | {free:.1f} | "
+      print(f"| {shape.name} | {b} | {ex:.1f} | {bl:.1f} | {100 * (bl / ex - 1):+.1f} % | {anyo:.1f} | "
+            f"{100 * (anyo / ex - 1):+.1f} % | {any1:.1f} | {100 * (any1 / ex - 1):+.1f} % | {free:.1f} | "
             f"{'-' if m is None else f'{m:.1f}'} |")
 
 
