@@ -26,10 +26,10 @@ def _ablation(text: str) -> str:
   if text not in ("", "nomath", "nogemm2", "widedecode", "tma", "static", "evenbodies",
                   "timeline", "nosingle", "twoplane", "stagebar", "sharedfirst",
                   "routedfirst", "regpull", "onecta", "nofourrow", "stagetest", "kpair", "l2ahead",
-                  "wearly", "wearly1", "wearlyl2", "shallow", "spin", "bar4"):
+                  "wearly", "wearly1", "wearlyl2", "shallow", "spin", "bar4", "kbany"):
     raise ValueError("expected nomath, nogemm2, widedecode, tma, static, evenbodies, timeline, nosingle, twoplane, "
                      "stagebar, sharedfirst, routedfirst, regpull, onecta, nofourrow, stagetest, kpair, l2ahead, "
-                     "wearly, wearly1, wearlyl2, shallow, spin, bar4 or empty")
+                     "wearly, wearly1, wearlyl2, shallow, spin, bar4, kbany or empty")
   return text
 
 
@@ -135,7 +135,11 @@ VARS = {v.name: v for v in (
                                        "relaxed loads and no nanosleep (exact, within the runs' spread at B = "
                                        "1-8, session 41, for A/B timing); bar4: one-tile passes whose K128 "
                                        "stages come in fours meet at a CTA barrier every four stages, results "
-                                       "exact, for A/B timing); "
+                                       "exact, for A/B timing; kbany: a one-row routed GEMM2 item waits per K128 "
+                                       "block for the two GEMM1 items producing it and takes its stages in the "
+                                       "order they become ready, adding the blocks' exact products in K order at "
+                                       "the end, routed variants of up to 8 tokens, results exact, not yet run on "
+                                       "a GPU, for A/B timing); "
                                        "part of the cubin key"),
   Var("GCMOE_WAIT_TIMEOUT_MS", _wait_ms, 2000, "bound of every device spin-wait; expiry becomes a Python exception"),
   Var("GCMOE_FIRST_WAIT_TIMEOUT_MS", _wait_ms, 120_000, "bound of the spin-waits of the first call of the fused "

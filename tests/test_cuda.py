@@ -178,6 +178,23 @@ def test_passes_of_every_body_match_the_oracle_on_the_fast_and_the_slow_path():
   assert np.asarray(y[5], np.float32).any() and np.isfinite(np.asarray(y, np.float32)).all()
 
 
+def test_one_and_two_row_gemm2_items_at_eight_tokens_match_the_oracle_bit_for_bit():
+  """At 8 tokens (capacity 8: role 2 alone, and under `GCMOE_ABLATION=kbany` the GEMM2 items of one and two rows
+  waiting per K128 block, one-row ones taking their stages out of K order) experts hit by 1, 1, 2, 2, 5, 5, 8 and 8
+  rows, plain and with tokens 3 and 7 scaled by 2**50 (their blocks leave the fast path's exponent range: a two- and
+  a one-row expert get a slow row), bit for bit."""
+  shape = dataclasses.replace(SMALL_GPU, tokens=8)
+  ids = jnp.asarray(_deal((1, 2, 5, 8, 8, 5, 2, 1), shape))
+  p = make_problem("default", shape, seed=10)
+  x, w, _ = quantized(p)
+  rw = jnp.asarray(np.random.default_rng(10).dirichlet(np.ones(shape.top_k), shape.tokens), jnp.float32)
+  for scaled in (False, True):
+    xs = x.at[jnp.array([3, 7])].multiply(2.0**50) if scaled else x
+    y = gm.moe(xs, w, gm.Routes(ids, rw), backend="cuda")
+    exact = _compare(f"8 tokens, rows 1-8, scaled={scaled}", y, emulated(xs, w, ids, rw, clamp=None))
+    assert exact == 1.0 and np.isfinite(np.asarray(y, np.float32)).all()
+
+
 def test_a_weight_stage_off_the_fast_path_matches_the_oracle_bit_for_bit():
   """GEMM1's first K128 stage and GEMM2's second of every expert scaled by 2**-70, so their scale bytes leave the
   fast path's [64, 191] (`roles_v2.SCALE_BYTE_BITS`) while the stage beside each stays inside: where two stages meet

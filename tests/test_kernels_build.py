@@ -451,7 +451,9 @@ def test_fused_workspace_holds_every_ranks_rows_and_leaves_the_local_layout_alon
   local = Variant(512, 256, 4, 4, 16).workspace("v2")
   fused = Variant(512, 256, 4, 4, 16, ranks=2).workspace("v2")
   assert Variant(512, 256, 4, 4, 16, ranks=1).workspace("v2") == local
-  assert local.pub_ids == local.rxplanes == local.grw and local.total == local.grw  # empty sections at the end
+  assert local.pub_ids == local.rxplanes == local.grw == local.g1tags  # empty sections at the end
+  # Then each routed GEMM1 item's tag (one GPU: read by GCMOE_ABLATION=kbany), none with the fused transport.
+  assert local.total - local.g1tags >= 8 * 4 * (2 * 256 // 128) and fused.g1tags == fused.total
   assert fused.arena - fused.rows == 2 * (local.arena - local.rows)  # rows[e] holds R C k assignments
   assert fused.aexp - fused.aplanes == 2 * (local.aexp - local.aplanes)
   assert fused.rxexp - fused.rxplanes == 2 * 16 * (512 // 32) * abi.PLANES * 32
@@ -463,7 +465,7 @@ def test_fused_workspace_holds_every_ranks_rows_and_leaves_the_local_layout_alon
   assert abi.HEADER["peers"] + 8 * abi.MAX_RANKS <= abi.HEADER_BYTES
   # The packed routes: a tag byte per global assignment; the direct scan's gate: the epoch and every rank's T.
   assert fused.rgate - fused.rtags >= 2 * 16 * 4 and fused.relay_arena - fused.rgate >= 4 * (1 + 2)
-  assert local.rtags == local.rgate == local.xq == local.total
+  assert local.rtags == local.rgate == local.xq == local.g1tags
   assert fused.relay_arena - fused.xq >= 16 * 512  # the pull engine's source: a row of E4M3 codes per token
   # Without the pull cache (k < R) every route gets its own received row; the relay path parks R C k rows.
   no_cache = Variant(512, 256, 4, 1, 16, ranks=2).workspace("v2")
@@ -664,6 +666,24 @@ def test_the_l2ahead_build_prefetches_gemm2_weights_and_streams_weights_evict_fi
   assert ahead["roles"][1]["spill_bytes"] <= build._ABLATION_SPILL_BUDGET[2]
   wider = build.compile_variant("sm_90a", SMALL, cache_dir=cache)  # (capacity 16, still under l2ahead)
   assert "+l2ahead-" in wider["key"] and "cp.async.bulk.prefetch.L2" not in _ptx(wider, 2)
+
+
+@needs_dsl
+@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
+def test_the_kbany_build_tags_gemm1_items_and_polls_them_per_block(cache, monkeypatch):
+  """GCMOE_ABLATION=kbany (docs/kernels_v2.md "GEMM2 stages out of K order"; timing, results exact): its own key,
+  roles 1 and 3 as they are; in role 2 each GEMM1 item's 64-bit tag store and the one- and two-row GEMM2 passes'
+  polls of them (the normal build has neither), those passes' own loops (more MMA instructions) and a one-row
+  pass's p through SMEM; a variant of 16 tokens builds none of it."""
+  small8 = dataclasses.replace(SMALL, capacity=8)
+  normal, ablated = _role2_only_ablation("kbany", cache, monkeypatch, small8)
+  a, b = _ptx(normal, 2), _ptx(ablated, 2)
+  for op in ("st.relaxed.gpu.global.b64", "ld.relaxed.gpu.global.b64", "st.shared.v4.u32", "ld.shared.v4.u32"):
+    assert op not in a and op in b, op
+  assert b.count("mma.sync.aligned.m16n8k32") > a.count("mma.sync.aligned.m16n8k32")
+  assert ablated["roles"][1]["spill_bytes"] <= build._ABLATION_SPILL_BUDGET[2]
+  wider = build.compile_variant("sm_90a", SMALL, cache_dir=cache)  # (capacity 16, still under kbany)
+  assert "+kbany-" in wider["key"] and "ld.relaxed.gpu.global.b64" not in _ptx(wider, 2)
 
 
 @needs_dsl

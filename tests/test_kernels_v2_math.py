@@ -514,3 +514,92 @@ def test_shared_expert_smem_fits_the_pipeline_area_and_sm120():
     assert sh.p % 16 == 0 and sh.xe % 16 == 0  # cp.async destinations, vector loads
   assert r2.SH_X_STRIDE % 16 == 0 and (r2.SH_X_STRIDE // 4) % 32 == 8  # cp.async chunks; conflict-free B loads
   assert (2 * r2.SH_P_ROWS) % 32 == 8  # the C fragments' stores: 8 t4 + g covers the banks
+
+
+
+def _any_schedule(rows: int, kb_n: int, n_st: int, ready_step: list[int]) -> tuple[list[int], list[str]]:
+  """A step model of a `kbany` pass (`RoleKernelsV2._any_mainloop`, `_any_pick`, `_any_poll`): K128 stage kb is
+  ready from barrier step ``ready_step[kb]`` on (its two GEMM1 items done); returns the stages in the order they are
+  computed, and every broken rule: a copy group computed before `cp.async.wait_group` covers it, a stage slot
+  written while a group in it is still to be computed, a `CTL_ANY_SIG` entry rewritten before the barrier after its
+  last read."""
+  ahead = n_st - 2
+  issued, snapshot = set(), set()
+  sig = {}  # copy group -> its stage, or None
+  order, broken = [], []
+
+  def pick(step: int, g0: int, n: int, pending: int) -> int:
+    nonlocal snapshot
+    left = set(range(kb_n)) - issued
+    wanted = {min(left)} if rows == 2 and left else left
+    if not wanted & snapshot and left and pending <= r2.ANY_POLL_PENDING:
+      snapshot = {kb for kb in range(kb_n) if ready_step[kb] <= step}
+      if pending == 0 and not wanted & snapshot:
+        step = min(ready_step[kb] for kb in wanted)  # the blocking poll sleeps until then
+        snapshot = {kb for kb in range(kb_n) if ready_step[kb] <= step}
+    for g in range(g0, g0 + n):
+      left = set(range(kb_n)) - issued
+      cand = sorted(snapshot & ({min(left)} if rows == 2 and left else left))
+      sig[g] = cand[0] if cand else None
+      issued.update(cand[:1])
+      old = g - r2.ANY_SIG_RING  # computed at step old // 2 + 1; rewritten after barrier step - 1
+      if old >= 0 and step - 1 < old // 2 + 2:
+        broken.append(f"CTL_ANY_SIG entry of group {old} rewritten at step {step}")
+    return step
+
+  step = pick(0, 0, ahead, 0)
+  committed = ahead
+  kb = 0
+  while len(order) < kb_n:
+    step += 1
+    landed = committed - (ahead - 2)  # groups below this have landed: `wait_group(ahead - 2)`
+    step = pick(step, kb + ahead, 2, sum(sig[g] is not None for g in range(kb, kb + ahead)))
+    for g in (kb + ahead, kb + ahead + 1):  # their copies, issued before this step's groups are computed
+      if any(h % n_st == g % n_st for h in range(kb, g)):
+        broken.append(f"the slot of group {g} still holds a group to compute")
+    committed += 2
+    for g in (kb, kb + 1):
+      if g >= landed:
+        broken.append(f"group {g} computed before it landed")
+      if sig[g] is not None:
+        order.append(sig[g])
+    kb += 2
+    if step > 4 * (kb_n + max(ready_step)) + 100:
+      broken.append("no progress")
+      break
+  return order, broken
+
+
+def test_kbany_passes_take_every_stage_once_and_keep_their_slots_and_ring(monkeypatch):
+  """`GCMOE_ABLATION=kbany`: on a step model of its pass (`_any_schedule`) with the GEMM1 items done in random
+  order, a one-row pass computes every K128 stage once, in the order they become ready, and a two-row pass in K
+  order, no copy group is read before it landed, and no stage slot or ring entry is rewritten early; the build has
+  it in the one-GPU routed variants of up to 8 tokens, whose stages (each holding what `_stage`'s body reads) and
+  p fit the pipeline area."""
+  from gcmoe_jax.kernels.build import Variant
+  rng = np.random.default_rng(0)
+  glm, dsv, small = Variant(6144, 2048, 32, 8, 8), Variant(5120, 2304, 48, 6, 8), Variant(512, 256, 8, 4, 8)
+  assert not any(r2.RoleKernelsV2(v).kbany for v in (glm, dsv, small))  # only the kbany build
+  monkeypatch.setenv("GCMOE_ABLATION", "kbany")
+  for v in (glm, dsv, small):
+    kern = r2.RoleKernelsV2(v)
+    kb_n = v.intermediate // 128
+    assert kern.kbany, v
+    for rows in (1, 2):
+      n_st = kern._any_stages(rows)
+      p_bytes = kb_n * r2.ANY_P_BYTES if rows == 1 else 0
+      assert 4 <= n_st <= r2.MAX_STAGES and n_st * r2.any_stage_bytes(rows) + p_bytes <= kern.pipe_bytes, (v, rows)
+      assert r2.W_BYTES + r2.SC_BYTES + 8 * 16 + rows * r2.TOKEN_STRIDE <= r2.any_stage_bytes(rows)
+      assert r2.any_stage_bytes(rows) % 128 == 0
+      for _ in range(20):
+        order, broken = _any_schedule(rows, kb_n, n_st, list(rng.integers(0, 3 * kb_n, kb_n)))
+        assert not broken, (v, rows, broken[:3])
+        assert sorted(order) == list(range(kb_n)) and (rows == 1 or order == list(range(kb_n))), (v, rows, order)
+    # Stages ready in reverse K order: a one-row pass starts with the last, a two-row one waits for the first.
+    backwards = list(range(kb_n))[::-1]
+    assert _any_schedule(1, kb_n, kern._any_stages(1), backwards)[0][0] == kb_n - 1
+    assert _any_schedule(2, kb_n, kern._any_stages(2), backwards)[0] == list(range(kb_n))
+  for v in (dataclasses.replace(glm, capacity=16), dataclasses.replace(glm, ranks=2),
+            dataclasses.replace(glm, shared_intermediate=2048, shared_group=128)):
+    assert not r2.RoleKernelsV2(v).kbany, v
+  assert not r2.RoleKernelsV2(glm, "sm_120a").kbany

@@ -245,6 +245,12 @@ class Workspace:
   xq: int  # u8 [capacity, H]
   # The relay return path: GEMM2 rows parked position-major (global assignment g k + j) for the copier CTAs.
   relay_arena: int  # bf16 [R capacity * k, H]
+  # Each routed GEMM1 item's completion (one GPU; read only by a `GCMOE_ABLATION=kbany` build, whose GEMM2 stages
+  # wait per K128 block, out of K order: docs/kernels_v2.md "GEMM2 stages out of K order"): one 64-bit word per
+  # (expert, item j < 2I/128), stored once by the item after its requantized blocks (fence, then one relaxed 64-bit
+  # store): low word the call's epoch tag, high word 1 where one of its blocks sent its row to the slow path.
+  # Epoch-tagged, so nothing is reset between calls.
+  g1tags: int  # u64 [E, 2I / 128]
   total: int  # bytes
 
   def as_attrs(self) -> dict[str, int]:
@@ -408,7 +414,8 @@ def workspace_layout(experts: int, capacity: int, top_k: int, hidden: int, share
                      ("rtags", _align4(capacity * ranks * top_k) if fused else 0),
                      ("rgate", 4 * (1 + ranks) if fused else 0),
                      ("xq", capacity * hidden if fused else 0),
-                     ("relay_arena", 2 * capacity * ranks * top_k * hidden if relay else 0)):
+                     ("relay_arena", 2 * capacity * ranks * top_k * hidden if relay else 0),
+                     ("g1tags", 8 * experts * (2 * intermediate // 128) if v2 and not fused else 0)):
     sections[name] = off
     off = _align(off + size)
   return Workspace(total=off, **sections)

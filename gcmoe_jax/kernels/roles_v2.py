@@ -87,7 +87,7 @@ from gcmoe_jax.kernels import abi
 from gcmoe_jax.kernels import roles_v1 as v1
 from gcmoe_jax.kernels.build import Variant
 
-__all__ = ["RoleKernelsV2", "stages"]
+__all__ = ["RoleKernelsV2", "any_stage_bytes", "stages"]
 
 THREADS = v1.THREADS  # 8 warps
 WARPS = THREADS // 32
@@ -146,6 +146,15 @@ CTL_HITS, CTL_FILL = CTL_TABLES + 16, CTL_TABLES + 20
 CTL_SCANNED = CTL_FILL + 4  # 1 where this call's routes were listed by the CTA itself (`_scan_routes`)
 CTL_KPAIR = CTL_SCANNED + 4  # 1 where this call's GEMM2 items are `kpair` items (read per item, not kept)
 assert CTL_KPAIR + 4 <= CTRL_BYTES
+# `GCMOE_ABLATION=kbany` (`RoleKernelsV2._any_mainloop`; the cp.async producer, so in the TMA producer's mbarrier and
+# state words, which it leaves unused): a one-row GEMM2 pass's state (the K128 stages issued, those whose GEMM1
+# items are done, the slow ones among them, 1 where a wait expired), the stage of each of the last 16 copy groups
+# (`ANY_SIG_RING`; -1: none), and 1 where a block of the CTA's GEMM1 item sent its row to the slow path.
+CTL_ANY = CTL_BARS
+ANY_SIG_RING = 16
+CTL_ANY_SIG = CTL_ANY + 16
+CTL_G1SLOW = CTL_ANY_SIG + 4 * ANY_SIG_RING
+assert CTL_G1SLOW + 4 <= CTL_FAULT
 # A stage starts 1024-aligned: TMA's 64-byte swizzle is a function of the SMEM address bits 7-8, so the tile lands
 # in the layout `_weight_words` reads (16 B chunk c of row r at c ^ ((r >> 1) & 3)) only from a 512-aligned base.
 STAGE_ALIGN = 1024
@@ -184,6 +193,12 @@ L2_AHEAD_BYTES = 24 << 20
 # `GCMOE_ABLATION=shallow`: one-tile passes keep this many pipeline stages (the paired barrier's least), so each CTA
 # has 4 K128 stages of copies in flight instead of 6 (timing: 1-5 % slower at B = 2-8 on the H100, as fast at B = 1).
 SHALLOW_STAGES = 6
+# `GCMOE_ABLATION=kbany`: after a one-row GEMM2 pass's stages (`any_stage_bytes`), each block's p for the ordered
+# sum (per K128 stage, warp and lane of t4 < 2: 16 B).
+ANY_P_BYTES = WARPS * 16 * 16  # per K128 stage
+# A `kbany` pass polls its GEMM1 items' tags (one round trip, warp 0 before a CTA barrier) only where it has no ready
+# stage left to issue and at most this many stages in the copy groups in flight (the two it computes next).
+ANY_POLL_PENDING = 2
 KPAIR_P_BYTES = 32 * 16  # a warp's p of one stage in a `kpair` pass: four blocks' p per lane, one 16 B store
 DECODE_TABLES = (POS2_LO, NEG_LO, POS_LO, SIGN_SELECT)  # the table words `_stage` reads from `CTL_TABLES`
 # The B columns of the one- and two-row bodies (`_stage`): column n is read by lane group g = n. One row: planes
@@ -268,6 +283,13 @@ def pass_tier(v: Variant, qmma: bool = False, ablation: str = "") -> tuple[int, 
 def stage_bytes(nt: int, token_stride: int = TOKEN_STRIDE, w_bytes: int = W_BYTES) -> int:
   raw = w_bytes + SC_BYTES + nt * 8 * (16 + token_stride)
   return -(-raw // STAGE_ALIGN) * STAGE_ALIGN
+
+
+def any_stage_bytes(rows: int) -> int:
+  """A `kbany` pass's stage of ``rows`` (1 or 2) rows: the weight tile, its scale words, the exponent words of the
+  8 slots and the digit planes of slots 0 .. rows - 1 (`_stage`'s one- and two-row bodies read no other slot),
+  128-aligned so that the tile's ldmatrix rows stay conflict-free."""
+  return -(-(W_BYTES + SC_BYTES + 8 * 16 + rows * TOKEN_STRIDE) // 128) * 128
 
 
 def stages(nt: int, pipe_bytes: int, token_stride: int = TOKEN_STRIDE, w_bytes: int = W_BYTES) -> int:
@@ -665,10 +687,11 @@ def _split_mma(a_pos, a_neg, b):
   return _mma_s8(a_neg, b, _mma_s8(a_pos, b, zero4))
 
 
-def _row_update(fast: bool, s0, s1, s2, xw, scale_word, s: int, acc, pv=None, at: int = 0):
+def _row_update(fast: bool, s0, s1, s2, xw, scale_word, s: int, acc, pv=None, at: int = 0, p_only: bool = False):
   """``acc`` after block ``s`` of one (row, token) from its three plane sums: f32(D) by the magic conversion, then
   `_scaled_add` (`_stage`; the row's weight scale is byte ``s`` of ``scale_word``). With ``pv`` (a `kpair` pass) the
-  block's p goes to ``pv[at]`` too and is added by ``fadd`` (the same bits)."""
+  block's p goes to ``pv[at]`` too and is added by ``fadd`` (the same bits); ``p_only`` (a `kbany` pass, which adds
+  the p in K order at the end): ``acc`` is returned as it is."""
   tf = v1._fadd(s0 + s1 * (1 << abi.DIGIT_BITS) + MAGIC, MAGIC_NEG)
   sf = v1._fadd(s2 + MAGIC, MAGIC_NEG)
   df = _fma(sf, F32_4096, tf)
@@ -676,7 +699,7 @@ def _row_update(fast: bool, s0, s1, s2, xw, scale_word, s: int, acc, pv=None, at
     return _scaled_add(fast, df, xw, _scale_byte(scale_word, s), acc)
   p = _scaled_p(fast, df, xw, _scale_byte(scale_word, s))
   pv[at] = p
-  return v1._fadd(acc, p)
+  return acc if p_only else v1._fadd(acc, p)
 
 
 def _shfl_xor(v, off: int) -> Int32:
@@ -742,6 +765,19 @@ def _ld_u8(addr) -> Int32:
 
 def _red_release_add(addr, v) -> None:
   cute.arch.inline_ptx("red.release.gpu.global.add.u32 [{$r0}], {$r1};", read_only_args=[addr, Int32(v)])
+
+
+def _st_tag(addr, lo, hi) -> None:
+  """One relaxed gpu-scope 64-bit store of (``lo``, ``hi``): a reader's 64-bit load sees both words or neither
+  (`abi.Workspace.g1tags`)."""
+  cute.arch.inline_ptx("{ .reg .b64 _t; mov.b64 _t, {{$r1}, {$r2}}; st.relaxed.gpu.global.b64 [{$r0}], _t; }",
+                       read_only_args=[addr, Int32(lo), Int32(hi)])
+
+
+def _ld_tag(addr):
+  """The (low, high) words of one relaxed gpu-scope 64-bit load (`_st_tag`)."""
+  return cute.arch.inline_ptx("{ .reg .b64 _t; ld.relaxed.gpu.global.b64 _t, [{$r0}]; mov.b64 {{$w0}, {$w1}}, _t; }",
+                              write_only_types=[Int32] * 2, read_only_args=[addr])
 
 
 # ---- the fused transport's peer accesses (system scope: a peer may be another GPU) ---------------------------------
@@ -928,6 +964,11 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # `wearly1`: also the CTA's first item, claimed before the wait for every CTA's phase 0, where role 2 lists the
     # routes itself (routed variants, whose queue starts with the GEMM1 items).
     self.w_early1 = self.w_early and self.ablation == "wearly1" and self.dynamic and not v.shared
+    # `GCMOE_ABLATION=kbany` (timing, results exact): a routed GEMM2 item of one row waits per K128 block for the
+    # two GEMM1 items producing it and takes its stages in the order they become ready (`_any_mainloop`), in the
+    # one-rank routed variants of up to 8 tokens (the one-row body; the cp.async producer).
+    self.kbany = (self.ablation == "kbany" and self.single and not self.fused and not v.shared
+                  and v.capacity <= 8 and self.smem_tables and not self.kpair)
     # Role 2's queue order (`abi.item_order`): the shared expert's items first at up to 32 tokens, else the routed.
     self.item_order = abi.item_order(v.capacity, self.ablation)
     self.rcap = v.capacity * v.ranks
@@ -977,6 +1018,11 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       self.pipe_bytes = n * stage_bytes(self.nt_max, self.token_stride, self.w_bytes)
     else:
       self.pipe_bytes = PIPE_AREA[self.ctas - 1] // stage_bytes(self.nt_max) * stage_bytes(self.nt_max)
+    if self.kbany:
+      kb_n = v.intermediate // v1.K128
+      if kb_n >= 31 or self._any_stages(1) < 4:
+        raise ValueError(f"roles_v2: {variant.key}: a kbany pass needs fewer than 31 GEMM2 stages ({kb_n}) and 4 "
+                         f"stages of {any_stage_bytes(1)} B beside its p in {self.pipe_bytes} B")
     if self.kpair:  # a kpair pass gives up one of its stages to the warps' p (`_cpasync_mainloop`)
       n = stages(1, self.pipe_bytes)
       if n < 3 or (n - 1) * stage_bytes(1) + 2 * 2 * (WARPS // 2) * KPAIR_P_BYTES > self.pipe_bytes:
@@ -1619,12 +1665,18 @@ class RoleKernelsV2(v1.RoleKernelsV1):
               if (count >= 1) & (count <= 8):  # (one pass of the 1-tile body: `_item`)
                 pre = Int32(1)
                 self._w_ahead(True, e, j, w2.toint(), w2_scale.toint(), pipe)
+            any1 = None
+            if cutlass.const_expr(self.kbany):  # (an item of 1-2 rows waits per K128 block instead: `_any_mainloop`)
+              any1 = cutlass.select_(count <= 2, Int32(1), Int32(0))
             if tid == 0:
               if cutlass.const_expr(self.l2ahead):
                 if n_tok <= L2_AHEAD_TOKENS:  # (its weights do not wait for the expert's GEMM1)
                   self._l2_ahead(w2.toint(), w2_scale.toint(), e, j)
-              ok = self._wait_geq(counters + Int64(e) * v1.WORD_BYTES, Int32(self.j1), wsb, cur, bid,
-                                  abi.WAIT_GEMM1 + e)
+              if cutlass.const_expr(self.kbany):
+                if any1 == 0:
+                  ok = self._wait_gemm1(counters, e, wsb, cur, bid)
+              else:
+                ok = self._wait_gemm1(counters, e, wsb, cur, bid)
             if _bar_or(ok == 0) != 0:
               failed = Int32(1)
               if cutlass.const_expr(self.w_early):
@@ -1634,7 +1686,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
                 self._tl_item(wsb, cur, bid, ctl, item, 1)
               self._item(True, e, j, count, route_weights.toint(), w2.toint(), w2_scale.toint(), wsb, c_bits,
                          cur, ctl, pipe, tmap_w2, _lds(ctl + CTL_KPAIR) if cutlass.const_expr(self.kpair) else None,
-                         pre if cutlass.const_expr(self.w_early) else None)
+                         pre if cutlass.const_expr(self.w_early) else None, any1)
               if cutlass.const_expr(self.relay):  # the copiers follow each expert's GEMM2 items done
                 self._count_done(counters, self.relay_base + e)
           else:
@@ -1646,9 +1698,15 @@ class RoleKernelsV2(v1.RoleKernelsV1):
                 t2 = n2 - n_ahead + it
                 h2 = t2 // self.j2
                 self._l2_ahead(w2.toint(), w2_scale.toint(), _lds(table + (v.experts + h2) * 4), t2 - h2 * self.j2)
+            if cutlass.const_expr(self.kbany):
+              if tid == 0:
+                _sts(ctl + CTL_G1SLOW, 0)  # (set by the item's requantization where a block is slow)
             self._item(False, e, j, count, route_weights.toint(), w13.toint(), w13_scale.toint(), wsb, c_bits,
                        cur, ctl, pipe, tmap_w13, None, pre1 if cutlass.const_expr(self.w_early1) else None)
             self._count_done(counters, e)
+            if cutlass.const_expr(self.kbany):
+              if tid == 0:  # (after `_count_done`'s fence: the item's blocks are visible before its tag)
+                _st_tag(wsb + self.ws.g1tags + (Int64(e) * self.j1 + j) * 8, cur, _lds(ctl + CTL_G1SLOW))
         else:
           if cutlass.const_expr(v.shared):
             token_counters = counters + Int64(v.experts + 1) * v1.WORD_BYTES
@@ -1692,6 +1750,11 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       # (`abi.TOKENS_SOLO`): either waits for every item CTA's count.
       self._count_done(counters, abi.role2_done(v.experts, v.capacity, v.shared, v.ranks, v.relay))
 
+  @cute.jit
+  def _wait_gemm1(self, counters: Int64, e: Int32, wsb: Int64, cur: Int32, bid: Int32) -> Int32:
+    """One thread: a routed GEMM2 item's bounded wait for every GEMM1 item of its expert (`_wait_geq`)."""
+    return self._wait_geq(counters + Int64(e) * v1.WORD_BYTES, Int32(self.j1), wsb, cur, bid, abi.WAIT_GEMM1 + e)
+
   def _gemm2_item_bytes(self) -> int:
     """The W2 bytes a routed GEMM2 item streams: its `TILE_M` rows' E2M1 tiles and scale words over K = I."""
     kb_n = self.v.intermediate // v1.K128
@@ -1734,6 +1797,12 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     `SHALLOW_STAGES` in one-tile passes)."""
     n = stages(nt, self.pipe_bytes, self.token_stride, self.w_bytes)
     return min(n, SHALLOW_STAGES) if self.ablation == "shallow" and nt == 1 else n
+
+  def _any_stages(self, rows: int) -> int:
+    """Pipeline stages of a `kbany` pass of ``rows`` rows: as many `any_stage_bytes` as fit the pipeline area, beside
+    a one-row pass's p (`ANY_P_BYTES` per GEMM2 stage), at most `MAX_STAGES`."""
+    p_bytes = self.v.intermediate // v1.K128 * ANY_P_BYTES if rows == 1 else 0
+    return min(MAX_STAGES, (self.pipe_bytes - p_bytes) // any_stage_bytes(rows))
 
   def _expert_weights(self, e: Int32, pw: Int64, psc: Int64, n_rows: int, kb_n: int) -> tuple[Int64, Int64]:
     """Expert e's E2M1 tiles (``[E, K/128, N, 64 B]``) and scale words (``[E, N, K/128]``) in the weight tensor at
@@ -2551,13 +2620,14 @@ class RoleKernelsV2(v1.RoleKernelsV1):
 
   @cute.jit
   def _quantize_lane(self, val: Int32, lane: Int32, planes: Int64, exp_addr: Int64, flag_addr: Int64, sf_addr: Int64,
-                     cur: Int32):
+                     cur: Int32, slow_word=None):
     """MXFP8 of one K32 block held one element per lane (float32 bits), written as digit planes + exponent word.
 
     The same arithmetic as `roles_v1._quantize_block` (amax over finite values, NaN/Inf flags the block, RNE onto
     E4M3 after the two-step scaling), with the amax and the flag reduced across the warp. A NaN block or an
-    exponent outside `abi.FAST_EXP` tags the row's flag word with ``cur``. The sm_120a seam stores the block's
-    E4M3 codes in plane 0 and its UE8M0 byte at ``sf_addr`` instead (0xFF, NaN, for a NaN block).
+    exponent outside `abi.FAST_EXP` tags the row's flag word with ``cur`` (and stores 1 to the SMEM word
+    ``slow_word``, if given: `kbany`). The sm_120a seam stores the block's E4M3 codes in plane 0 and its UE8M0 byte
+    at ``sf_addr`` instead (0xFF, NaN, for a NaN block).
     """
     n, e, bad = self._mx_lane(val)
     if cutlass.const_expr(self.qmma):
@@ -2573,15 +2643,20 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         v1._st(exp_addr, word)
         if slow:
           v1._st(flag_addr, cur)
+          if cutlass.const_expr(slow_word is not None):
+            _sts(slow_word, 1)
     return n, e, bad
 
   @cute.jit
   def _item(self, g2: cutlass.Constexpr, e: Int32, j: Int32, count: Int32, rwb: Int64, pw: Int64, psc: Int64,
-            wsb: Int64, c_bits: Int32, cur: Int32, ctl: Int32, pipe: Int32, tmap: Int64, kp=None, pre=None):
+            wsb: Int64, c_bits: Int32, cur: Int32, ctl: Int32, pipe: Int32, tmap: Int64, kp=None, pre=None,
+            anyo=None):
     """One GEMM1 (g2 False) or GEMM2 item: the expert's rows in passes of up to 8 `nt_max` rows (`_chunk`), each
     pass in the body of the fewest n-tiles that hold its rows (1, 2, 3, 4, 6 or 8: the 3 and 6 bodies spare a
     quarter of the MMAs and epilogue of passes of 17-24 and 33-48 rows, the usual ones at B = 64 and 128;
-    `odd_bodies`). ``pre`` (`w_early`): 1 where `_w_ahead` copied the weights of this one-pass item's first stages."""
+    `odd_bodies`). ``pre`` (`w_early`): 1 where `_w_ahead` copied the weights of this one-pass item's first stages.
+    ``anyo`` (`kbany`): 1 where this GEMM2 item of one or two rows did not wait for its expert's GEMM1 items
+    (`_any_mainloop`)."""
     n_end = count
     if cutlass.const_expr(kp is not None):
       if kp != 0:  # (`kpair`: 64 rows j of a GEMM2 item, its one or two rows in one pass)
@@ -2595,9 +2670,21 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       if rem <= 8:
         if cutlass.const_expr(self.single):
           if rem == 1:
-            self._chunk(g2, 1, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap, 1, pre=pre)
+            if cutlass.const_expr(anyo is not None):
+              if anyo != 0:
+                self._chunk(g2, 1, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap, 1, anyo=1)
+              else:
+                self._chunk(g2, 1, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap, 1, pre=pre)
+            else:
+              self._chunk(g2, 1, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap, 1, pre=pre)
           else:
-            self._chunk(g2, 1, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap, pre=pre)
+            if cutlass.const_expr(anyo is not None):
+              if (anyo != 0) & (rem == 2):
+                self._chunk(g2, 1, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap, anyo=2)
+              else:
+                self._chunk(g2, 1, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap, pre=pre)
+            else:
+              self._chunk(g2, 1, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap, pre=pre)
         else:
           self._chunk(g2, 1, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap, pre=pre)
       elif rem <= 16:
@@ -2629,11 +2716,13 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   @cute.jit
   def _chunk(self, g2: cutlass.Constexpr, nt: cutlass.Constexpr, e: Int32, j: Int32, n0: Int32, count: Int32,
              rwb: Int64, pw: Int64, psc: Int64, wsb: Int64, c_bits: Int32, cur: Int32, ctl: Int32, pipe: Int32,
-             tmap: Int64, single: cutlass.Constexpr = False, kpair: cutlass.Constexpr = False, pre=None):
+             tmap: Int64, single: cutlass.Constexpr = False, kpair: cutlass.Constexpr = False, pre=None,
+             anyo: cutlass.Constexpr = 0):
     """One pass of up to 8 ``nt`` rows of the item (``single``: exactly one row, `_stage`'s plane-column body; a
     1-tile pass of two rows takes `_stage`'s two-row body at run time, one of three or four its four-row body).
     ``kpair`` (`RoleKernelsV2.kpair`): rows 64 j .. 64 j + 63 of a GEMM2 item with ``single`` (1 or 2) rows, K split
-    between warps w and w + 4 (`_cpasync_mainloop`). ``pre``: `_item`'s."""
+    between warps w and w + 4 (`_cpasync_mainloop`). ``pre``: `_item`'s. ``anyo`` (`kbany`, a GEMM2 pass of
+    ``anyo`` = 1 or 2 rows that did not wait for its expert's GEMM1 items): `_any_mainloop`."""
     v, ws = self.v, self.ws
     tid, _, _ = cute.arch.thread_idx()
     warp, lane, g, t4 = _lanes()
@@ -2683,11 +2772,15 @@ class RoleKernelsV2(v1.RoleKernelsV1):
             rw = _ld_gpu(wsb + ws.grw + Int64(asg) * v1.WORD_BYTES)
           else:
             rw = v1._ld_nc(rwb + Int64(asg) * v1.WORD_BYTES)
-        if cutlass.const_expr(not self.qmma):  # the sm_120a seam has no slow path
+        if cutlass.const_expr(not self.qmma and not anyo):  # (sm_120a: no slow path; `anyo`: per stage)
           slow_row = cutlass.select_(_ld_gpu(flags + Int64(src) * 4) == cur, Int32(1), Int32(0))
       _sts(ctl + CTL_SLOT_SRC + tid * 4, src)
       _sts(ctl + CTL_SLOT_ASG + tid * 4, asg)
       _sts(ctl + CTL_SLOT_RW + tid * 4, rw)
+    if cutlass.const_expr(anyo):
+      if tid == 0:  # nothing issued, done or stopped yet (`_any_mainloop`)
+        for q in cutlass.range_constexpr(4):
+          _sts(ctl + CTL_ANY + 4 * q, 0)
     # The TMA producer's barriers start each pass here, before the slot table's CTA barrier makes them visible.
     bars = ctl + CTL_BARS
     if cutlass.const_expr(self.tma):
@@ -2708,7 +2801,14 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     acc = cute.make_rmem_tensor(4 * nt, Int32)
     for i in cutlass.range_constexpr(4 * nt):
       acc[i] = Int32(0)
-    if cutlass.const_expr(self.tma):
+    if cutlass.const_expr(anyo):
+      self._any_mainloop(anyo, e, pw_e, psc_e, row0, planes, exps, wsb, cur, ctl, pipe, acc)
+      if cutlass.const_expr(anyo == 1):
+        acc[2] = _shfl_xor(acc[0], 1)  # row g + 8 was summed by lane t4 = 1 (`_stage`)
+      else:
+        for c in cutlass.range_constexpr(1, 4):  # (slot c % 2, row g + 8 (c // 2)) was lane t4 = c's (`_stage`)
+          acc[c] = _shfl_xor(acc[0], c)
+    elif cutlass.const_expr(self.tma):
       self._tma_mainloop(nt, n_st, st_bytes, e, n0, count, psc_e, row0, n_rows, kb_n, nblk, planes, exps, wsb, cur,
                          ctl, pipe, tmap, rows_fast, acc)
     else:
@@ -2782,7 +2882,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
           val = _lds_u16(pipe + (slot * 64 + 32 * half + lane) * 2) << v1.BF16_SHIFT
           blk = Int64(asg) * self.nblk_i + 2 * j + half
           self._quantize_lane(val, lane, wsb + ws.aplanes + blk * BLOCK_BYTES, wsb + ws.aexp + blk * 4,
-                              wsb + ws.aflag + Int64(asg) * 4, wsb + ws.asf + blk, cur)
+                              wsb + ws.aflag + Int64(asg) * 4, wsb + ws.asf + blk, cur,
+                              ctl + CTL_G1SLOW if cutlass.const_expr(self.kbany) else None)
     cute.arch.sync_threads()  # the slot table and the pipeline area are rewritten by the next chunk
 
   @cute.jit
@@ -3106,6 +3207,175 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       self._kpair_add(acc, pbuf + ((n_kb // per_bar - 1) % 2) * p_set, per_bar)
 
   @cute.jit
+  def _any_mainloop(self, rows: cutlass.Constexpr, e: Int32, pw_e: Int64, psc_e: Int64, row0: Int32, planes: Int64,
+                    exps: Int64, wsb: Int64, cur: Int32, ctl: Int32, pipe: Int32, acc: cute.Tensor):
+    """The K loop of a `kbany` pass (a routed GEMM2 item of ``rows`` = 1 or 2 rows that did not wait for its
+    expert's GEMM1 items): K128 stage kb needs only GEMM1 items 2 kb and 2 kb + 1 (``act`` blocks 4 kb .. 4 kb + 3),
+    so each stage waits for those two alone. Each copy group of the per-thread pipeline (`_cpasync_mainloop`'s: a
+    CTA barrier every two groups, ``n_st - 2`` groups in flight) holds one stage or none, chosen by warp 0 before the
+    barrier that precedes its copies (`_any_pick`, which polls the items' tags, `abi.Workspace.g1tags`). A one-row
+    pass takes its stages in the order they become ready: each block's exact product p goes to SMEM
+    (`_any_compute`), and after the last stage lanes t4 = 0, 1 add their row's p in increasing K: ``fadd(acc, p)``
+    in the order of `_stage`'s FMAs, so the bits are `_cpasync_mainloop`'s (the `kpair` argument: on the fast path
+    the product is exact). A two-row pass, whose p would not fit beside the pipeline, takes them in K order into
+    its accumulators as `_stage`'s two-row body does. A stage takes the fast path where its scale bytes allow and
+    neither of its GEMM1 items flagged a block slow."""
+    warp, lane, g, t4 = _lanes()
+    kb_n = self.v.intermediate // v1.K128
+    st = any_stage_bytes(rows)
+    n_st = self._any_stages(rows)
+    ahead = n_st - 2  # copy groups in flight
+    pbuf = pipe + n_st * st
+    tags = wsb + self.ws.g1tags + Int64(e) * (self.j1 * 8)
+    if warp == 0:
+      self._any_pick(rows, Int32(0), ahead, 0, tags, e, wsb, cur, ctl)
+    cute.arch.sync_threads()
+    for q in cutlass.range_constexpr(ahead):
+      sig = _lds(ctl + CTL_ANY_SIG + 4 * q)
+      if sig >= 0:
+        self._issue(sig & 0xFF, pipe + q * st, 8, pw_e, psc_e, row0, self.v.hidden, kb_n, self.nblk_i, planes,
+                    exps, ctl, rows)
+      _commit()
+    stop = _lds(ctl + CTL_ANY + 12)
+    done = Int32(0)
+    kb = Int32(0)  # the first copy group of this barrier step
+    while (done < kb_n) & (stop == 0):
+      _wait_group(ahead - 2)  # groups kb, kb + 1 have landed (this thread's copies)
+      if warp == 0:
+        self._any_pick(rows, kb + ahead, 2, ahead, tags, e, wsb, cur, ctl)
+      cute.arch.sync_threads()  # everyone's copies of groups kb, kb + 1; the groups before them read
+      stop = _lds(ctl + CTL_ANY + 12)
+      for q in cutlass.range_constexpr(2):
+        sig = _lds(ctl + CTL_ANY_SIG + 4 * ((kb + ahead + q) % ANY_SIG_RING))
+        if sig >= 0:
+          self._issue(sig & 0xFF, pipe + ((kb + ahead + q) % n_st) * st, 8, pw_e, psc_e, row0, self.v.hidden, kb_n,
+                      self.nblk_i, planes, exps, ctl, rows)
+        _commit()
+      for q in cutlass.range_constexpr(2):
+        sig = _lds(ctl + CTL_ANY_SIG + 4 * ((kb + q) % ANY_SIG_RING))
+        if sig >= 0:
+          self._any_compute(rows, pipe + ((kb + q) % n_st) * st, sig, pbuf, acc, ctl)
+          done = done + 1
+      kb = kb + 2
+    _wait_group(0)
+    cute.arch.sync_threads()  # every stage computed; the pipeline area is the epilogue's
+    if cutlass.const_expr(rows == 1):
+      total = Int32(0)
+      if t4 < 2:
+        for k in cutlass.range_constexpr(kb_n):
+          p = _lds4(pbuf + (k * ANY_P_BYTES + warp * 256 + (2 * g + t4) * 16))
+          for s in cutlass.range_constexpr(v1.SUBS):
+            total = v1._fadd(total, p[s])
+      acc[0] = total
+
+  @cute.jit
+  def _any_pick(self, rows: cutlass.Constexpr, g0: Int32, n: cutlass.Constexpr, span: cutlass.Constexpr, tags: Int64,
+                e: Int32, wsb: Int64, cur: Int32, ctl: Int32):
+    """Warp 0 of a `kbany` pass: the stages of copy groups g0 .. g0 + n - 1 (`CTL_ANY_SIG`: the stage, plus 256 where
+    it takes the slow path; -1 for none): the lowest ready stages not yet issued, or with ``rows`` = 2 the next
+    stages in K order while they are ready. Where none is left to issue and at most `ANY_POLL_PENDING` stages are
+    pending in the ``span`` groups in flight before g0, it polls the GEMM1 items' tags once, or, with none pending,
+    until one is ready (bounded: a timeout records ``WAIT_GEMM1 + e`` with the stages ready, and stops the pass)."""
+    lane = cute.arch.lane_idx()
+    kb_n = self.v.intermediate // v1.K128
+    issued = _lds(ctl + CTL_ANY)
+    ready = _lds(ctl + CTL_ANY + 4)
+    slow = _lds(ctl + CTL_ANY + 8)
+    stop = Int32(0)
+    next_ = ~issued & (issued + 1)  # the lowest stage not issued (1 << kb_n once all are)
+    wanted = next_ if cutlass.const_expr(rows == 2) else ~issued
+    if ((ready & wanted) == 0) & (next_ != (1 << kb_n)):
+      pending = Int32(0)  # stages in the groups still to compute (counted only here: most steps have a stage)
+      for q in cutlass.range_constexpr(span):
+        pending = pending + cutlass.select_(_lds(ctl + CTL_ANY_SIG + 4 * ((g0 - span + q) % ANY_SIG_RING)) >= 0,
+                                            Int32(1), Int32(0))
+      if pending <= ANY_POLL_PENDING:
+        ready, slow, stop = self._any_poll(tags, wanted, pending, e, wsb, cur)
+    for q in cutlass.range_constexpr(n):
+      sig = Int32(-1)
+      low = ready & ~issued
+      low = low & (0 - low)  # the lowest ready stage not issued
+      if cutlass.const_expr(rows == 2):
+        low = ready & ~issued & (issued + 1)  # the next stage in K order, if ready
+      if low != 0:
+        kb = v1._popc(low - 1)
+        sig = kb | (((slow >> kb) & 1) << 8)
+        issued = issued | low
+      if lane == 0:
+        _sts(ctl + CTL_ANY_SIG + 4 * ((g0 + q) % ANY_SIG_RING), sig)
+    if lane == 0:
+      _sts(ctl + CTL_ANY, issued)
+      _sts(ctl + CTL_ANY + 4, ready)
+      _sts(ctl + CTL_ANY + 8, slow)
+      _sts(ctl + CTL_ANY + 12, stop)
+
+  @cute.jit
+  def _any_poll(self, tags: Int64, wanted: Int32, pending: Int32, e: Int32, wsb: Int64, cur: Int32):
+    """Warp 0: (the K128 stages whose two GEMM1 items are done, those of them with a slow block, 1 where the pass
+    stops) from the tags (`_any_tags`); read once, or, where nothing is ``pending``, until a ``wanted`` stage is
+    ready, another CTA faulted or the bound passed. A fence after the reads orders the stages' copies, issued after
+    the CTA barrier that follows, after the items' blocks (each tag is stored after a fence)."""
+    lane = cute.arch.lane_idx()
+    ready, slow = self._any_tags(tags, cur)
+    fault = Int32(0)
+    if pending == 0:
+      # In units of 1024 ns, 32-bit, as `_mbar_spin` (this sits among the MMA loop's values).
+      bound = Int32(v1._ld(wsb + abi.HEADER["timeout_ns"], cutlass.Uint64) >> 10)
+      start = Int32(cute.arch.globaltimer() >> 10)
+      elapsed = Int32(0)
+      while ((ready & wanted) == 0) & (fault == 0) & (elapsed <= bound):
+        cute.arch.inline_ptx("nanosleep.u32 {$r0};", read_only_args=[Int32(v1.SPIN_SLEEP_NS)])
+        ready, slow = self._any_tags(tags, cur)
+        fault = cute.arch.load(v1._gptr(wsb + abi.HEADER["error_flag"]), Int32, sem="relaxed", scope="gpu")
+        elapsed = Int32(cute.arch.globaltimer() >> 10) - start
+    stop = Int32(0)
+    if (ready & wanted) != 0:
+      cute.arch.fence_acq_rel_gpu()
+    elif pending == 0:
+      stop = Int32(1)
+      if (fault == 0) & (lane == 0):
+        bid, _, _ = cute.arch.block_idx()
+        v1._record_fault(wsb, 2, bid, cur, Int32(abi.WAIT_GEMM1) + e, ready)
+    return ready, slow, stop
+
+  @cute.jit
+  def _any_tags(self, tags: Int64, cur: Int32):
+    """Warp 0, lane kb reading stage kb's two tags: (the stages whose GEMM1 items are both done, those of them with
+    a slow block), as bit masks."""
+    lane = cute.arch.lane_idx()
+    rd = Int32(0)
+    sl = Int32(0)
+    if lane < self.v.intermediate // v1.K128:
+      d0, s0 = _ld_tag(tags + Int64(lane) * 16)
+      d1, s1 = _ld_tag(tags + Int64(lane) * 16 + 8)
+      rd = cutlass.select_((d0 == cur) & (d1 == cur), Int32(1), Int32(0))
+      sl = rd & (s0 | s1)
+    return v1._ballot(rd), v1._ballot(sl)
+
+  @cute.jit
+  def _any_compute(self, rows: cutlass.Constexpr, sb: Int32, sig: Int32, pbuf: Int32, acc: cute.Tensor, ctl: Int32):
+    """One stage of a `kbany` pass (``sig``: the K128 stage, plus 256 for the slow path) in `_stage`'s one- or
+    two-row body; one row: each block's p kept (``p_only``) and stored to SMEM by lanes t4 = 0, 1 (rows g, g + 8),
+    16 B per lane; two rows: added to the accumulators, the stages coming in K order."""
+    warp, lane, g, t4 = _lanes()
+    scw = (_lds(sb + self.w_bytes + (16 * warp + g) * 4), _lds(sb + self.w_bytes + (16 * warp + g + 8) * 4))
+    bits = (scw[0] ^ (scw[0] << 1)) & (scw[1] ^ (scw[1] << 1))
+    fast = _warp_any((sig >= 256) | ((bits & SCALE_BYTE_BITS) != SCALE_BYTE_BITS)) == 0
+    if cutlass.const_expr(rows == 1):
+      pv = cute.make_rmem_tensor(v1.SUBS, Int32)
+      if fast:
+        self._stage(True, 1, sb, scw, acc, 1, ctl, pv, 0, True)
+      else:
+        self._stage(False, 1, sb, scw, acc, 1, ctl, pv, 0, True)
+      if t4 < 2:
+        _sts4(pbuf + ((sig & 0xFF) * ANY_P_BYTES + warp * 256 + (2 * g + t4) * 16), pv[0], pv[1], pv[2], pv[3])
+    else:
+      if fast:
+        self._stage(True, 1, sb, scw, acc, 2, ctl)
+      else:
+        self._stage(False, 1, sb, scw, acc, 2, ctl)
+
+  @cute.jit
   def _kpair_add(self, acc: cute.Tensor, pset: Int32, per_bar: cutlass.Constexpr):
     """Warps 0-3 of a `kpair` pass: ``acc[0] += p`` of the blocks warp w + 4 computed between the last two barriers,
     stage by stage and block by block (in increasing K: `kpair_tile`); the same lane held the same (row, slot)."""
@@ -3181,7 +3451,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
 
   @cute.jit
   def _stage(self, fast: cutlass.Constexpr, nt: cutlass.Constexpr, sb: Int32, scw, acc: cute.Tensor,
-             single: cutlass.Constexpr = 0, ctl=None, pv=None, p0: cutlass.Constexpr = 0):
+             single: cutlass.Constexpr = 0, ctl=None, pv=None, p0: cutlass.Constexpr = 0,
+             p_only: cutlass.Constexpr = False):
     """The MMAs and the exact epilogue of one K128 stage: ``acc += f32(D_b) * 2**n_b`` for its four K32 blocks.
 
     D = S0 + 2**6 S1 + 2**12 S2 comes out of a chain of three MMAs: S1; T + MAGIC = A B0 + (64 S1 + MAGIC);
@@ -3200,7 +3471,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     of a quad one (slot, row) (`PLANE_COLUMNS`, `PAIR_SLOT_COLUMNS`). ``single`` = 4: a pass of three or four rows
     in two n-tiles' columns, lane t4 the two rows of slot t4 (`QUAD_SLOT_COLUMNS`). ``ctl``: the control area, whose
     `CTL_TABLES` the decode reads; None: the tables as immediates. ``pv`` (a `kpair` pass, ``single`` 1 or 2): each
-    block's p also to ``pv[p0 + s]``, the B operand of warps 4-7 from slots 4-7 (`_cpasync_mainloop`).
+    block's p also to ``pv[p0 + s]``, the B operand of warps 4-7 from slots 4-7 (`_cpasync_mainloop`); with
+    ``p_only`` (a `kbany` pass, ``single`` = 1) only there, ``acc`` untouched (`_any_compute`).
     """
     warp, lane, g, t4 = _lanes()
     slots = 8 * nt
@@ -3277,7 +3549,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         s2 = _shfl_xor(cutlass.select_(t4 == 3, r[2], r[0]), 2)  # t4 = 0 <- S2 (row g), t4 = 1 <- S2 (row g + 8)
         s0 = cutlass.select_(upper, r[2], r[0])
         s1 = cutlass.select_(upper, r[3], r[1])
-        acc[0] = _row_update(fast, s0, s1, s2, xw, scw_row, s, acc[0], pv, p0 + s)
+        acc[0] = _row_update(fast, s0, s1, s2, xw, scw_row, s, acc[0], pv, p0 + s, p_only)
     elif cutlass.const_expr(single == 2):
       # Columns 0, 1 hold planes 0, 1 of slot 0, columns 2, 3 those of slot 1, 4-5 plane 2 of slot 0 and 6-7 that of
       # slot 1. Each lane of a quad takes one (slot, row): t4 = 0 (0, g), 1 (1, g), 2 (0, g + 8), 3 (1, g + 8); two
