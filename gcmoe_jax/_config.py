@@ -22,14 +22,16 @@ class Var:
   help: str
 
 
+_ABLATIONS = ("nomath", "nogemm2", "widedecode", "tma", "static", "evenbodies", "timeline", "nosingle", "twoplane",
+              "stagebar", "sharedfirst", "routedfirst", "regpull", "onecta", "nofourrow", "stagetest", "kpair",
+              "l2ahead", "wearly", "wearly1", "wearlyl2", "shallow", "spin", "bar4", "kbany")
+
+
 def _ablation(text: str) -> str:
-  if text not in ("", "nomath", "nogemm2", "widedecode", "tma", "static", "evenbodies",
-                  "timeline", "nosingle", "twoplane", "stagebar", "sharedfirst",
-                  "routedfirst", "regpull", "onecta", "nofourrow", "stagetest", "kpair", "l2ahead",
-                  "wearly", "wearly1", "wearlyl2", "shallow", "spin", "bar4", "kbany"):
-    raise ValueError("expected nomath, nogemm2, widedecode, tma, static, evenbodies, timeline, nosingle, twoplane, "
-                     "stagebar, sharedfirst, routedfirst, regpull, onecta, nofourrow, stagetest, kpair, l2ahead, "
-                     "wearly, wearly1, wearlyl2, shallow, spin, bar4, kbany or empty")
+  # "timeline+NAME": the timeline's stamps in the NAME build (`kernel_ablation`, `timeline_build`).
+  name = text[len("timeline+"):] if text.startswith("timeline+") else text
+  if name not in ("", *_ABLATIONS) or (name in ("", "timeline") and name != text):
+    raise ValueError(f"expected {', '.join(_ABLATIONS)}, timeline+ one of the others, or empty")
   return text
 
 
@@ -102,7 +104,8 @@ VARS = {v.name: v for v in (
                                        "for A/B timing; evenbodies: no pass bodies of 3 and 6 n-tiles, results "
                                        "exact, for A/B timing; timeline: %globaltimer stamps per role and role-2 "
                                        "item after the workspace, results exact, read by python -m "
-                                       "gcmoe_jax.bench.timeline; nosingle: one- and two-row passes as 1-tile passes, "
+                                       "gcmoe_jax.bench.timeline (timeline+NAME: the same stamps in the build of "
+                                       "ablation NAME); nosingle: one- and two-row passes as 1-tile passes, "
                                        "results exact, for A/B timing; twoplane: the wide passes' instruction mix "
                                        "of two FP16 digit planes (4 MMAs, a 3-instruction epilogue), results "
                                        "wrong, timing only; stagebar: a CTA barrier per K128 stage in narrow "
@@ -194,8 +197,17 @@ def get(name: str) -> Any:
 
 
 def timeline_build() -> bool:
-  """Whether ``GCMOE_ABLATION=timeline`` (the kernels stamp %globaltimer into a region after the workspace)."""
-  return get("GCMOE_ABLATION") == "timeline"
+  """Whether ``GCMOE_ABLATION=timeline`` or ``timeline+NAME`` (the kernels stamp %globaltimer into a region after the
+  workspace)."""
+  ablation = get("GCMOE_ABLATION")
+  return ablation == "timeline" or ablation.startswith("timeline+")
+
+
+def kernel_ablation() -> str:
+  """The ablation the role kernels build: ``GCMOE_ABLATION``, or NAME of ``timeline+NAME`` (whose stamps
+  `timeline_build` adds)."""
+  ablation = get("GCMOE_ABLATION")
+  return ablation[len("timeline+"):] if ablation.startswith("timeline+") else ablation
 
 
 PREFIXES = ("GCMOE_", "GC_MOE_")

@@ -684,6 +684,12 @@ def test_the_kbany_build_tags_gemm1_items_and_polls_them_per_block(cache, monkey
   assert ablated["roles"][1]["spill_bytes"] <= build._ABLATION_SPILL_BUDGET[2]
   wider = build.compile_variant("sm_90a", SMALL, cache_dir=cache)  # (capacity 16, still under kbany)
   assert "+kbany-" in wider["key"] and "ld.relaxed.gpu.global.b64" not in _ptx(wider, 2)
+  monkeypatch.setenv("GCMOE_ABLATION", "timeline+kbany")  # the timeline's stamps in this build
+  stamped = build.compile_variant("sm_90a", small8, cache_dir=cache)
+  c = _ptx(stamped, 2)
+  assert "+timeline+kbany-" in stamped["key"] and "ld.relaxed.gpu.global.b64" in c
+  assert c.count("globaltimer") > b.count("globaltimer")
+  assert stamped["roles"][1]["spill_bytes"] <= build._ABLATION_SPILL_BUDGET[2]
 
 
 @needs_dsl

@@ -55,6 +55,25 @@ def test_the_timeline_follows_the_workspace_in_the_runtime_allocation(monkeypatc
   assert _cuda.workspace_bytes(ws) == ws.total
   monkeypatch.setenv("GCMOE_ABLATION", "timeline")
   assert _cuda.workspace_bytes(ws) == ws.total + abi.TIMELINE_BYTES
+  monkeypatch.setenv("GCMOE_ABLATION", "timeline+kbany")  # the stamps in another ablation's build
+  assert _cuda.workspace_bytes(ws) == ws.total + abi.TIMELINE_BYTES
+  monkeypatch.setenv("GCMOE_ABLATION", "kbany")
+  assert _cuda.workspace_bytes(ws) == ws.total
+
+
+def test_timeline_combines_with_one_other_ablation(monkeypatch):
+  """``GCMOE_ABLATION=timeline+NAME``: the stamping build of ablation NAME (the kernels build NAME, the runtime and
+  `bench.timeline` add the stamps' region); anything else after the plus is refused, naming what is accepted."""
+  from gcmoe_jax import _config
+
+  for value, kernels, stamps in (("", "", False), ("timeline", "timeline", True), ("kbany", "kbany", False),
+                                 ("timeline+kbany", "kbany", True), ("timeline+routedfirst", "routedfirst", True)):
+    monkeypatch.setenv("GCMOE_ABLATION", value)
+    assert (_config.kernel_ablation(), _config.timeline_build()) == (kernels, stamps), value
+  for bad in ("timeline+", "timeline+timeline", "timeline+nosuch", "kbany+timeline", "nosuch"):
+    monkeypatch.setenv("GCMOE_ABLATION", bad)
+    with pytest.raises(ValueError, match="GCMOE_ABLATION.*timeline\\+ one of the others"):
+      _config.get("GCMOE_ABLATION")
 
 
 def test_item_ranges_follow_role_2s_queue_order():

@@ -1,6 +1,7 @@
 """Where a call's time goes: the %globaltimer timeline of a ``GCMOE_ABLATION=timeline`` build (issue 6).
 
     GCMOE_ABLATION=timeline python -m gcmoe_jax.bench.timeline --model glm5.2 --batch 1,8,64
+    GCMOE_ABLATION=timeline+kbany python -m gcmoe_jax.bench.timeline ...   # the stamps in another ablation's build
 
 The timeline build (results exact) stamps, for each call, role 1's and role 3's block 0 entry and exit and, for
 every role-2 CTA, its entry, the end of phase 0 (x quantized), the end of the expert table (role 1's active
@@ -266,12 +267,12 @@ def _run(model: str, batches: Sequence[int], chain: int, shared: bool, save: str
     ids_np = np.asarray(ids)
     raw_slots[f"slots_b{b}"], raw_slots[f"ids_b{b}"] = slots[order], ids_np
     capacity = _cuda.capacity_for(min(b, _cuda.CAPACITIES[-1]))
-    queue = abi.item_order(capacity, _config.get("GCMOE_ABLATION"))
+    queue = abi.item_order(capacity, _config.kernel_ablation())
     sharing.append((b, []))
     for layer, si in enumerate(order):
       hit = np.unique(ids_np[layer][ids_np[layer] >= 0]).size
       items = int(records(slots[si])[1][:, 4].sum())
-      group = shared_group_tokens(capacity, shape.top_k, shape.experts, _config.get("GCMOE_ABLATION"))
+      group = shared_group_tokens(capacity, shape.top_k, shape.experts, _config.kernel_ablation())
       ranges = call_ranges(items, hit, j1, j2, n_cb, n_hb, queue, b, group)
       t = summarize(slots[si], ranges["routed GEMM1"])
       rows.append((b, layer, t))
@@ -295,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   if not 1 <= a.chain <= abi.TL_CALLS:
     ap.error(f"--chain must be in [1, {abi.TL_CALLS}] (the timeline's call slots), got {a.chain}")
   if not _config.timeline_build():
-    print("timeline: set GCMOE_ABLATION=timeline (the stamping build of the kernels)", file=sys.stderr)
+    print("timeline: set GCMOE_ABLATION=timeline or timeline+NAME (the stamping build of the kernels)", file=sys.stderr)
     return 2
   if a.shared:
     print("timeline: note: the first table's GEMM1 columns are the routed GEMM1 items', its GEMM2 columns every other "

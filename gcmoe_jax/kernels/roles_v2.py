@@ -860,7 +860,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     super().__init__(variant)
     v = variant
     self.qmma = arch.startswith("sm_12")
-    self.ablation = _config.get("GCMOE_ABLATION")  # timing builds only (wrong results): see `_config`
+    self.ablation = _config.kernel_ablation()  # timing builds only (wrong results): see `_config`
     self.nblk_h = v.hidden // v1.K32
     self.nblk_i = v.intermediate // v1.K32
     self.j1 = 2 * v.intermediate // TILE_M
