@@ -24,7 +24,7 @@ class Var:
 
 _ABLATIONS = ("nomath", "nogemm2", "widedecode", "tma", "static", "evenbodies", "timeline", "nosingle", "twoplane",
               "stagebar", "sharedfirst", "routedfirst", "regpull", "onecta", "nofourrow", "stagetest", "kpair",
-              "l2ahead", "wearly", "wearly1", "wearlyl2", "shallow", "spin", "bar4", "kbany")
+              "l2ahead", "wearly", "wearly1", "wearlyl2", "shallow", "spin", "bar4", "kbany", "trips")
 
 
 def _ablation(text: str) -> str:
@@ -142,7 +142,10 @@ VARS = {v.name: v for v in (
                                        "block for the two GEMM1 items producing it and takes its stages in the "
                                        "order they become ready, adding the blocks' exact products in K order at "
                                        "the end, routed variants of up to 8 tokens, results exact, not yet run on "
-                                       "a GPU, for A/B timing); "
+                                       "a GPU, for A/B timing; trips: the bounded waits load the error flag "
+                                       "before the counter's acquire load (one round trip per poll instead of two) "
+                                       "and role 2 loads the routes it lists before phase 0, results exact, not "
+                                       "yet run on a GPU, for A/B timing); "
                                        "part of the cubin key"),
   Var("GCMOE_WAIT_TIMEOUT_MS", _wait_ms, 2000, "bound of every device spin-wait; expiry becomes a Python exception"),
   Var("GCMOE_FIRST_WAIT_TIMEOUT_MS", _wait_ms, 120_000, "bound of the spin-waits of the first call of the fused "

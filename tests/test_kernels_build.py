@@ -694,6 +694,28 @@ def test_the_kbany_build_tags_gemm1_items_and_polls_them_per_block(cache, monkey
 
 @needs_dsl
 @pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
+def test_the_trips_build_polls_the_flag_and_the_counter_at_once(cache, monkeypatch):
+  """GCMOE_ABLATION=trips (timing, results exact): its own key, role 1 as it is; in roles 2 and 3 every bounded poll
+  loads the error flag before the counter's acquire load instead of after it (whose L1 invalidation waits for the
+  value: two round trips a poll), the same loads, sleeps and MMAs in number."""
+  small8 = dataclasses.replace(SMALL, capacity=8)
+  normal = build.compile_variant("sm_90a", small8, cache_dir=cache)
+  monkeypatch.setenv("GCMOE_ABLATION", "trips")
+  trips = build.compile_variant("sm_90a", small8, cache_dir=cache)
+  assert "+trips-" in trips["key"] and _ptx(trips, 1) == _ptx(normal, 1)
+  acquire_first = r"ld\.acquire\.gpu[^\n]*\n\s*ld\.relaxed\.gpu"
+  flag_first = r"ld\.relaxed\.gpu[^\n]*\n\s*ld\.acquire\.gpu"
+  for role in (2, 3):
+    a, b = _ptx(normal, role), _ptx(trips, role)
+    polls = len(re.findall(acquire_first, a))
+    assert polls > 0 and len(re.findall(flag_first, b)) == polls and not re.findall(acquire_first, b), role
+    for op in ("ld.acquire.gpu", "ld.relaxed.gpu", "nanosleep", "mma.sync.aligned.m16n8k32", "ld.global.nc"):
+      assert a.count(op) == b.count(op), (role, op)
+  assert trips["roles"][1]["spill_bytes"] <= build._ABLATION_SPILL_BUDGET[2]
+
+
+@needs_dsl
+@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
 def test_the_wearly_builds_copy_weights_before_their_waits(cache, monkeypatch):
   """GCMOE_ABLATION=wearly / wearly1 / wearlyl2 (docs/kernels_v2.md "The H100 timeline, and three ideas that did not
   pay"): each under its own key with roles 1 and 3 as they are and role 2's MMAs unchanged in number; role 2 holds

@@ -964,6 +964,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # `wearly1`: also the CTA's first item, claimed before the wait for every CTA's phase 0, where role 2 lists the
     # routes itself (routed variants, whose queue starts with the GEMM1 items).
     self.w_early1 = self.w_early and self.ablation == "wearly1" and self.dynamic and not v.shared
+    # `GCMOE_ABLATION=trips` (timing, results exact): fewer round trips one after another in the waits (`_poll_pair`)
+    # and the route list (`_route_ids` before phase 0).
+    self.trips = self.ablation == "trips"
     # `GCMOE_ABLATION=kbany` (timing, results exact): a routed GEMM2 item of one row waits per K128 block for the
     # two GEMM1 items producing it and takes its stages in the order they become ready (`_any_mainloop`), in the
     # one-rank routed variants of up to 8 tokens (the one-row body; the cp.async producer).
@@ -1490,6 +1493,11 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         for q, word in enumerate(DECODE_TABLES):
           _sts(ctl + CTL_TABLES + 4 * q, Int32(word))
 
+    route_ids = None
+    if cutlass.const_expr(self.trips and self.scan_tokens > 0):
+      # (`trips`: the routes `_scan_routes` lists, loaded before phase 0, so their round trip overlaps its own)
+      route_ids = self._route_ids(ids.toint(), n_tok * v.top_k, lane)
+
     # ---- phase 0: MXFP8 of x into digit planes, a warp per (token, K32 block) --------------------------------
     for q in range(bid * WARPS + warp, n_tok * self.nblk_h, grid32 * WARPS):
       t = q // self.nblk_h
@@ -1527,7 +1535,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     if cutlass.const_expr(self.scan_tokens > 0):
       scanned = cutlass.select_(n_tok <= self.scan_tokens, Int32(1), Int32(0))
       if scanned != 0:
-        self._scan_routes(ids.toint(), n_tok * v.top_k, ctl)
+        self._scan_routes(ids.toint(), n_tok * v.top_k, ctl, route_ids)
     item0 = Int32(-1)
     pre1 = Int32(0)
     if cutlass.const_expr(self.w_early1):
@@ -1938,14 +1946,26 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       _sts(table + e * 4, v1._ld(wsb + self.ws.count + Int64(e) * v1.WORD_BYTES))
 
   @cute.jit
-  def _scan_routes(self, idb: Int64, n_assign: Int32, ctl: Int32):
+  def _route_ids(self, idb: Int64, n_assign: Int32, lane: Int32):
+    """`trips`: the expert ids `_scan_routes` reads, assignments ``lane`` and ``lane`` + 32 (-1 past ``n_assign``)."""
+    eid = Int32(-1)
+    eid2 = Int32(-1)
+    if lane < n_assign:
+      eid = v1._ld_nc(idb + Int64(lane) * v1.WORD_BYTES)
+    if cutlass.const_expr(self.scan_tokens * self.v.top_k > 32):
+      if lane + 32 < n_assign:
+        eid2 = v1._ld_nc(idb + Int64(lane + 32) * v1.WORD_BYTES)
+    return eid, eid2
+
+  @cute.jit
+  def _scan_routes(self, idb: Int64, n_assign: Int32, ctl: Int32, route_ids=None):
     """The whole CTA, at T <= `scan_tokens` (one GPU): the expert table from the routes themselves, as role 1's
     closed queue would give it (count[e] at 4 e, the experts hit from 4 E, here in expert order; their number at
     ``ctl + 4``), and each expert's rows in assignment order (`scan_rows`, expert e's from ``scan_first[e]``), which
     `_chunk` reads instead of role 1's ``rows``. Lane a of every warp holds assignments a and a + 32 (n_assign <=
     64: `abi.scan_tokens`); ids < 0 (padding) and >= E match no expert (role 1, or where role 2 runs alone its
     combining CTAs, record those as faults). Which CTA runs which rows is all the order decides: the bits are the
-    same."""
+    same. ``route_ids`` (`trips`): `_route_ids`, loaded before phase 0."""
     v = self.v
     tid, _, _ = cute.arch.thread_idx()
     warp = tid // 32
@@ -1954,13 +1974,17 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     first = ctl + self.scan_first
     below = Int32(cute.arch.lanemask_lt())
     two = self.scan_tokens * v.top_k > 32  # (a second assignment per lane)
-    eid = Int32(-1)
-    eid2 = Int32(-1)
-    if lane < n_assign:
-      eid = v1._ld_nc(idb + Int64(lane) * v1.WORD_BYTES)
-    if cutlass.const_expr(two):
-      if lane + 32 < n_assign:
-        eid2 = v1._ld_nc(idb + Int64(lane + 32) * v1.WORD_BYTES)
+    if cutlass.const_expr(route_ids is None):
+      # (the loads of `_route_ids` in place: a call of that jit function changed the normal build's code)
+      eid = Int32(-1)
+      eid2 = Int32(-1)
+      if lane < n_assign:
+        eid = v1._ld_nc(idb + Int64(lane) * v1.WORD_BYTES)
+      if cutlass.const_expr(two):
+        if lane + 32 < n_assign:
+          eid2 = v1._ld_nc(idb + Int64(lane + 32) * v1.WORD_BYTES)
+    else:
+      eid, eid2 = route_ids
     for e in range(warp, v.experts, WARPS):
       count = v1._popc(v1._ballot(eid == e))
       if cutlass.const_expr(two):
@@ -2567,17 +2591,25 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     if cutlass.const_expr(patience != 1):
       timeout = timeout * patience
     start = cute.arch.globaltimer()
-    seen = cute.arch.load(v1._gptr(addr), Int32, sem=sem, scope=scope)
-    fault = cute.arch.load(flag, Int32, sem="relaxed", scope="gpu")
+    seen, fault = self._poll_pair(addr, flag, sem, scope)
     elapsed = cutlass.Uint64(0)
     stops = -1 if until_fault else 0  # the error flag's bits that end the wait
     while (seen < target) & ((fault & stops) == 0) & (elapsed <= timeout):
       if cutlass.const_expr(self.ablation != "spin"):
         cute.arch.inline_ptx("nanosleep.u32 {$r0};", read_only_args=[Int32(v1.SPIN_SLEEP_NS)])
-      seen = cute.arch.load(v1._gptr(addr), Int32, sem=sem, scope=scope)
-      fault = cute.arch.load(flag, Int32, sem="relaxed", scope="gpu")
+      seen, fault = self._poll_pair(addr, flag, sem, scope)
       elapsed = cutlass.Uint64(cute.arch.globaltimer() - start)
     return seen, fault
+
+  def _poll_pair(self, addr: Int64, flag, sem: str, scope: str):
+    """One poll of `_spin_geq`: (the counter at ``addr``, the error flag). The acquire load's L1 invalidation waits for
+    its value, so the flag's load after it costs a second round trip; `trips` loads the flag first, so both are in
+    flight at once (the flag only ends the wait early)."""
+    if self.trips:
+      fault = cute.arch.load(flag, Int32, sem="relaxed", scope="gpu")
+      return cute.arch.load(v1._gptr(addr), Int32, sem=sem, scope=scope), fault
+    seen = cute.arch.load(v1._gptr(addr), Int32, sem=sem, scope=scope)
+    return seen, cute.arch.load(flag, Int32, sem="relaxed", scope="gpu")
 
   @cute.jit
   def _wait_geq(self, addr: Int64, target: Int32, wsb: Int64, cur: Int32, bid: Int32, what: Int32,
