@@ -678,16 +678,16 @@ def test_the_kbany_build_tags_gemm1_items_and_polls_them_per_block(cache, monkey
   small8 = dataclasses.replace(SMALL, capacity=8)
   normal, ablated = _role2_only_ablation("kbany", cache, monkeypatch, small8)
   a, b = _ptx(normal, 2), _ptx(ablated, 2)
-  for op in ("st.relaxed.gpu.global.b64", "ld.relaxed.gpu.global.b64", "st.shared.v4.u32", "ld.shared.v4.u32"):
+  for op in ("st.relaxed.gpu.global.b64", "ld.acquire.gpu.global.v2.b64", "st.shared.v4.u32", "ld.shared.v4.u32"):
     assert op not in a and op in b, op
   assert b.count("mma.sync.aligned.m16n8k32") > a.count("mma.sync.aligned.m16n8k32")
   assert ablated["roles"][1]["spill_bytes"] <= build._ABLATION_SPILL_BUDGET[2]
   wider = build.compile_variant("sm_90a", SMALL, cache_dir=cache)  # (capacity 16, still under kbany)
-  assert "+kbany-" in wider["key"] and "ld.relaxed.gpu.global.b64" not in _ptx(wider, 2)
+  assert "+kbany-" in wider["key"] and "ld.acquire.gpu.global.v2.b64" not in _ptx(wider, 2)
   monkeypatch.setenv("GCMOE_ABLATION", "timeline+kbany")  # the timeline's stamps in this build
   stamped = build.compile_variant("sm_90a", small8, cache_dir=cache)
   c = _ptx(stamped, 2)
-  assert "+timeline+kbany-" in stamped["key"] and "ld.relaxed.gpu.global.b64" in c
+  assert "+timeline+kbany-" in stamped["key"] and "ld.acquire.gpu.global.v2.b64" in c
   assert c.count("globaltimer") > b.count("globaltimer")
   assert stamped["roles"][1]["spill_bytes"] <= build._ABLATION_SPILL_BUDGET[2]
 

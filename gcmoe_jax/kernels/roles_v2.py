@@ -769,15 +769,18 @@ def _red_release_add(addr, v) -> None:
 
 def _st_tag(addr, lo, hi) -> None:
   """One relaxed gpu-scope 64-bit store of (``lo``, ``hi``): a reader's 64-bit load sees both words or neither
-  (`abi.Workspace.g1tags`)."""
+  (`abi.Workspace.g1tags`; after a fence, so that with `_ld_tags`' acquire it publishes the stores before it)."""
   cute.arch.inline_ptx("{ .reg .b64 _t; mov.b64 _t, {{$r1}, {$r2}}; st.relaxed.gpu.global.b64 [{$r0}], _t; }",
                        read_only_args=[addr, Int32(lo), Int32(hi)])
 
 
-def _ld_tag(addr):
-  """The (low, high) words of one relaxed gpu-scope 64-bit load (`_st_tag`)."""
-  return cute.arch.inline_ptx("{ .reg .b64 _t; ld.relaxed.gpu.global.b64 _t, [{$r0}]; mov.b64 {{$w0}, {$w1}}, _t; }",
-                              write_only_types=[Int32] * 2, read_only_args=[addr])
+def _ld_tags(addr):
+  """Two consecutive `_st_tag` words, each one 64-bit access, by one acquire gpu-scope load (16-aligned): (low,
+  high) of the first, then of the second. Acquire, so a tag seen done orders this thread's later accesses (and,
+  through a CTA barrier, the CTA's copies) after the stores it follows; no fence is needed after it."""
+  return cute.arch.inline_ptx("{ .reg .b64 _a, _b; ld.acquire.gpu.global.v2.b64 {_a, _b}, [{$r0}]; "
+                              "mov.b64 {{$w0}, {$w1}}, _a; mov.b64 {{$w2}, {$w3}}, _b; }",
+                              write_only_types=[Int32] * 4, read_only_args=[addr])
 
 
 # ---- the fused transport's peer accesses (system scope: a peer may be another GPU) ---------------------------------
@@ -3346,8 +3349,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   def _any_poll(self, tags: Int64, wanted: Int32, pending: Int32, e: Int32, wsb: Int64, cur: Int32):
     """Warp 0: (the K128 stages whose two GEMM1 items are done, those of them with a slow block, 1 where the pass
     stops) from the tags (`_any_tags`); read once, or, where nothing is ``pending``, until a ``wanted`` stage is
-    ready, another CTA faulted or the bound passed. A fence after the reads orders the stages' copies, issued after
-    the CTA barrier that follows, after the items' blocks (each tag is stored after a fence)."""
+    ready, another CTA faulted or the bound passed. The tags' acquire loads order the stages' copies, issued after
+    the CTA barrier that follows, after the items' blocks (each tag is stored after a fence); a fence here, among
+    the pipeline's copies in flight, might wait for them."""
     lane = cute.arch.lane_idx()
     ready, slow = self._any_tags(tags, cur)
     fault = Int32(0)
@@ -3362,9 +3366,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         fault = cute.arch.load(v1._gptr(wsb + abi.HEADER["error_flag"]), Int32, sem="relaxed", scope="gpu")
         elapsed = Int32(cute.arch.globaltimer() >> 10) - start
     stop = Int32(0)
-    if (ready & wanted) != 0:
-      cute.arch.fence_acq_rel_gpu()
-    elif pending == 0:
+    if ((ready & wanted) == 0) & (pending == 0):
       stop = Int32(1)
       if (fault == 0) & (lane == 0):
         bid, _, _ = cute.arch.block_idx()
@@ -3379,8 +3381,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     rd = Int32(0)
     sl = Int32(0)
     if lane < self.v.intermediate // v1.K128:
-      d0, s0 = _ld_tag(tags + Int64(lane) * 16)
-      d1, s1 = _ld_tag(tags + Int64(lane) * 16 + 8)
+      d0, s0, d1, s1 = _ld_tags(tags + Int64(lane) * 16)
       rd = cutlass.select_((d0 == cur) & (d1 == cur), Int32(1), Int32(0))
       sl = rd & (s0 | s1)
     return v1._ballot(rd), v1._ballot(sl)
