@@ -24,7 +24,8 @@ class Var:
 
 _ABLATIONS = ("nomath", "nogemm2", "widedecode", "tma", "static", "evenbodies", "timeline", "nosingle", "twoplane",
               "stagebar", "sharedfirst", "routedfirst", "regpull", "onecta", "nofourrow", "stagetest", "kpair",
-              "l2ahead", "wearly", "wearly1", "wearlyl2", "shallow", "spin", "bar4", "kbany", "trips")
+              "l2ahead", "wearly", "wearly1", "wearlyl2", "shallow", "spin", "bar4", "kbany", "kbany1",
+              "trips")
 
 
 def _ablation(text: str) -> str:
@@ -142,7 +143,7 @@ VARS = {v.name: v for v in (
                                        "block for the two GEMM1 items producing it and takes its stages in the "
                                        "order they become ready, adding the blocks' exact products in K order at "
                                        "the end, routed variants of up to 8 tokens, results exact, not yet run on "
-                                       "a GPU, for A/B timing; trips: the bounded waits load the error flag "
+                                       "a GPU, for A/B timing; kbany1: kbany for one-row items only; trips: the bounded waits load the error flag "
                                        "before the counter's acquire load (one round trip per poll instead of two) "
                                        "and role 2 loads the routes it lists before phase 0, results exact, not "
                                        "yet run on a GPU, for A/B timing); "

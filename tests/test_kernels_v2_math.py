@@ -602,4 +602,6 @@ def test_kbany_passes_take_every_stage_once_and_keep_their_slots_and_ring(monkey
   for v in (dataclasses.replace(glm, capacity=16), dataclasses.replace(glm, ranks=2),
             dataclasses.replace(glm, shared_intermediate=2048, shared_group=128)):
     assert not r2.RoleKernelsV2(v).kbany, v
-  assert not r2.RoleKernelsV2(glm, "sm_120a").kbany
+  assert not r2.RoleKernelsV2(glm, "sm_120a").kbany and r2.RoleKernelsV2(glm).kbany_rows == 2
+  monkeypatch.setenv("GCMOE_ABLATION", "kbany1")  # one-row items only
+  assert r2.RoleKernelsV2(glm).kbany and r2.RoleKernelsV2(glm).kbany_rows == 1

@@ -9,7 +9,7 @@
 #   GCMOE_ABLATION=NAME GPU_STEPS="install tests" GPU_TESTS_K="eight_tokens_match or [1-routed or [2-routed or
 #     [8-routed" bash .ci/gpu-check                                  # exact: every bit the oracle's, per NAME
 #   GPU_STEPS="install timeline" GPU_TL="timeline|timeline+NAME|..." bash .ci/gpu-check
-#   GPU_STEPS="install ab" GPU_AB="|GCMOE_ABLATION=NAME|..." AB_BATCH=1,2,4,8 bash .ci/gpu-check
+#   GPU_STEPS="install ab" GPU_AB="|GCMOE_ABLATION=NAME|..." AB_BATCH=1,2,4,8 AB_MODELS=glm5.2 bash .ci/gpu-check
 set -euo pipefail
 [ $# -ge 1 ] || { echo "usage: bash docs/probes/ablation_cubins.sh NAME [NAME ...]" >&2; exit 2; }
 tmp=$(mktemp -d)

@@ -48,14 +48,16 @@ MEASURED = {("glm5.2", 1): 82.3 - 3.1, ("glm5.2", 2): 121.0 - 3.1, ("glm5.2", 4)
 
 
 def simulate(hit: int, j1: int, j2: int, s1: int, s2: int, pace: dict, factor: np.ndarray, rule: str,
-             sms: int = 132, dt: float = 0.05, parts: int = 1, one_row: np.ndarray | None = None) -> float:
+             sms: int = 132, dt: float = 0.05, parts: int = 1, one_row: np.ndarray | None = None,
+             lag: float = 0.0) -> float:
   """The makespan (us) of ``hit`` experts' items on 2 ``sms`` CTAs under ``rule`` ("expert", "block", or "none": no
   GEMM2 item waits, a bound);
   ``factor``: each item's stage-time factor, GEMM1 items then GEMM2 items in queue order; ``parts``: GEMM2 items of
   s2 stages that are K parts (part q % parts of the expert's GEMM2 item q covers K128 blocks from part * s2);
   ``one_row`` (rule "any"): the experts whose items may take their stages out of order (the build's: one row), the
   others' GEMM2 items take theirs in K order, each waiting for its two GEMM1 items, as rule "block" (default: every
-  expert out of order)."""
+  expert out of order); ``lag`` (us, rules "block" and "any"): a GEMM1 item counts as done for GEMM2 stages this long
+  after it ends (the build's polls and pipeline: a stage found ready is computed some stages later)."""
   ctas = 2 * sms
   n1, n2 = hit * j1, hit * j2
   alone = np.array([pace[1][0], pace[2][0]])  # us per stage: GEMM1, GEMM2
@@ -64,6 +66,7 @@ def simulate(hit: int, j1: int, j2: int, s1: int, s2: int, pace: dict, factor: n
   item = np.full(ctas, -1)
   left = np.zeros(ctas)  # stages left of the CTA's item
   g1_done = np.zeros((hit, j1), bool)
+  g1_end = np.full((hit, j1), np.inf)  # when each GEMM1 item ended
   t, done2 = 0.0, 0
   stage_done = np.zeros((ctas, s2), bool)  # rule "any": the GEMM2 item's stages done
   on = np.full(ctas, -1)  # rule "any": the stage the CTA computes
@@ -87,7 +90,8 @@ def simulate(hit: int, j1: int, j2: int, s1: int, s2: int, pace: dict, factor: n
       # Out of K order: the CTA takes the lowest stage not yet done whose two GEMM1 items are done (its exact
       # products kept until the ordered sum at the end), so it waits only where none of its stages is ready.
       part = np.where(item >= n1, (item - n1) % j2 % parts, 0)
-      ready = g1_done[e][:, 0::2] & g1_done[e][:, 1::2]  # [ctas, K128 blocks of the expert]
+      seen = g1_end <= t - lag
+      ready = seen[e][:, 0::2] & seen[e][:, 1::2]  # [ctas, K128 blocks of the expert]
       cols = part[:, None] * s2 + np.arange(s2)[None, :]
       open_ = ready[np.arange(ctas)[:, None], cols] & ~stage_done
       if one_row is not None:  # the other experts' items: stages in K order, each waiting for its two items
@@ -100,7 +104,8 @@ def simulate(hit: int, j1: int, j2: int, s1: int, s2: int, pace: dict, factor: n
     else:
       part = np.where(item >= n1, (item - n1) % j2 % parts, 0)
       kb = part * s2 + np.clip(s2 - np.ceil(left - 1e-9).astype(int), 0, s2 - 1)  # the K128 block it is on
-      inputs = g1_done[e, 2 * kb] & g1_done[e, 2 * kb + 1]
+      seen = g1_end <= t - lag
+      inputs = seen[e, 2 * kb] & seen[e, 2 * kb + 1]
     computing = busy & (~g2 | inputs)
     shared = np.repeat(computing.reshape(sms, 2).sum(axis=1) == 2, 2)
     kind = (item >= n1).astype(int)
@@ -116,6 +121,7 @@ def simulate(hit: int, j1: int, j2: int, s1: int, s2: int, pace: dict, factor: n
     for c in np.flatnonzero(busy & (left <= 1e-9)):
       if item[c] < n1:
         g1_done[item[c] // j1, item[c] % j1] = True
+        g1_end[item[c] // j1, item[c] % j1] = t
       else:
         done2 += 1
       item[c] = -1
@@ -130,6 +136,8 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--spread", type=float, default=0.08, help="relative spread of the experts' stage times")
   ap.add_argument("--item-spread", type=float, default=0.25, help="relative spread of each item's stage times")
   ap.add_argument("--dt", type=float, default=0.05, help="time step, us")
+  ap.add_argument("--lag", type=float, default=0.0, help="us after a GEMM1 item's end until rules block and any see "
+                  "it done (the build's polls and pipeline depth)")
   ap.add_argument("--g2-parts", type=int, default=1, help="GEMM2 items split along K into this many parts that any "
                   "CTA may take (a hypothetical build; each part waits as its rule says), e.g. 2")
   a = ap.parse_args(argv)
@@ -153,10 +161,10 @@ def main(argv: list[str] | None = None) -> None:
         per_expert = 1 + a.spread * rng.uniform(-1, 1, hit)
         factor = np.concatenate([np.repeat(per_expert, j1), np.repeat(per_expert, j2)])
         factor = factor * (1 + a.item_spread * rng.uniform(-1, 1, factor.size))
-        res.append([simulate(hit, j1, j2, s1, s2, PACE[model], factor, rule, dt=a.dt, parts=a.g2_parts)
+        res.append([simulate(hit, j1, j2, s1, s2, PACE[model], factor, rule, dt=a.dt, parts=a.g2_parts, lag=a.lag)
                     for rule in ("expert", "block", "any", "none")]
                    + [simulate(hit, j1, j2, s1, s2, PACE[model], factor, "any", dt=a.dt, parts=a.g2_parts,
-                               one_row=rows == 1)])
+                               one_row=rows == 1, lag=a.lag)])
       ex, bl, anyo, free, any1 = np.mean(res, axis=0)
       m = MEASURED.get((model, b))
       print(f"| {shape.name} | {b} | {ex:.1f} | {bl:.1f} | {100 * (bl / ex - 1):+.1f} % | {anyo:.1f} | "

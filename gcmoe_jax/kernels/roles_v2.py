@@ -974,8 +974,11 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # two GEMM1 items producing it and takes its stages in the order they become ready (`_any_mainloop`), in the
     # one-rank routed variants of up to 8 tokens (the one-row body; the cp.async producer; with the shared expert
     # ptxas spilled 120-156 B at the two-CTA cap, reloaded 6-8 times in the shared items' loops).
-    self.kbany = (self.ablation == "kbany" and self.single and not self.fused and not v.shared
+    self.kbany = (self.ablation in ("kbany", "kbany1") and self.single and not self.fused and not v.shared
                   and v.capacity <= 8 and self.smem_tables and not self.kpair)
+    # The rows of the items that do (`kbany1`: one-row items only, the two-row ones waiting for their expert as
+    # normal: the pace model prices in-order per-block waits below the expert-wide wait once a poll lags).
+    self.kbany_rows = 1 if self.ablation == "kbany1" else 2
     # Role 2's queue order (`abi.item_order`): the shared expert's items first at up to 32 tokens, else the routed.
     self.item_order = abi.item_order(v.capacity, self.ablation)
     self.rcap = v.capacity * v.ranks
@@ -1679,7 +1682,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
                 self._w_ahead(True, e, j, w2.toint(), w2_scale.toint(), pipe)
             any1 = None
             if cutlass.const_expr(self.kbany):  # (an item of 1-2 rows waits per K128 block instead: `_any_mainloop`)
-              any1 = cutlass.select_(count <= 2, Int32(1), Int32(0))
+              any1 = cutlass.select_(count <= self.kbany_rows, Int32(1), Int32(0))
             if tid == 0:
               if cutlass.const_expr(self.l2ahead):
                 if n_tok <= L2_AHEAD_TOKENS:  # (its weights do not wait for the expert's GEMM1)
@@ -2714,7 +2717,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
             else:
               self._chunk(g2, 1, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap, 1, pre=pre)
           else:
-            if cutlass.const_expr(anyo is not None):
+            if cutlass.const_expr(anyo is not None and self.kbany_rows == 2):
               if (anyo != 0) & (rem == 2):
                 self._chunk(g2, 1, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap, anyo=2)
               else:
