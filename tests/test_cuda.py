@@ -181,17 +181,21 @@ def test_passes_of_every_body_match_the_oracle_on_the_fast_and_the_slow_path():
 def test_one_and_two_row_gemm2_items_at_eight_tokens_match_the_oracle_bit_for_bit():
   """At 8 tokens (capacity 8: role 2 alone, and under `GCMOE_ABLATION=kbany` the GEMM2 items of one and two rows
   waiting per K128 block, one-row ones taking their stages out of K order) experts hit by 1, 1, 2, 2, 5, 5, 8 and 8
-  rows, plain and with tokens 3 and 7 scaled by 2**50 (their blocks leave the fast path's exponent range: a two- and
-  a one-row expert get a slow row), bit for bit."""
+  rows, plain, with tokens 3 and 7 scaled by 2**50 (their blocks leave the fast path's exponent range: a two- and
+  a one-row expert get a slow row), and with GEMM2's second K128 stage of every expert scaled by 2**-70 (its scale
+  bytes leave the fast path's range), bit for bit."""
   shape = dataclasses.replace(SMALL_GPU, tokens=8)
   ids = jnp.asarray(_deal((1, 2, 5, 8, 8, 5, 2, 1), shape))
   p = make_problem("default", shape, seed=10)
+  w2 = p.w2.copy()
+  w2[:, 128:256] *= 2.0**-70
   x, w, _ = quantized(p)
+  _, w_off, _ = quantized(dataclasses.replace(p, w2=w2))
   rw = jnp.asarray(np.random.default_rng(10).dirichlet(np.ones(shape.top_k), shape.tokens), jnp.float32)
-  for scaled in (False, True):
-    xs = x.at[jnp.array([3, 7])].multiply(2.0**50) if scaled else x
-    y = gm.moe(xs, w, gm.Routes(ids, rw), backend="cuda")
-    exact = _compare(f"8 tokens, rows 1-8, scaled={scaled}", y, emulated(xs, w, ids, rw, clamp=None))
+  for name, xs, ws in (("plain", x, w), ("slow rows", x.at[jnp.array([3, 7])].multiply(2.0**50), w),
+                       ("a weight stage off the fast path", x, w_off)):
+    y = gm.moe(xs, ws, gm.Routes(ids, rw), backend="cuda")
+    exact = _compare(f"8 tokens, rows 1-8, {name}", y, emulated(xs, ws, ids, rw, clamp=None))
     assert exact == 1.0 and np.isfinite(np.asarray(y, np.float32)).all()
 
 
