@@ -147,7 +147,7 @@ CTL_SCANNED = CTL_FILL + 4  # 1 where this call's routes were listed by the CTA 
 CTL_KPAIR = CTL_SCANNED + 4  # 1 where this call's GEMM2 items are `kpair` items (read per item, not kept)
 assert CTL_KPAIR + 4 <= CTRL_BYTES
 # `GCMOE_ABLATION=kbany` (`RoleKernelsV2._any_mainloop`; the cp.async producer, so in the TMA producer's mbarrier and
-# state words, which it leaves unused): a one-row GEMM2 pass's state (the K128 stages issued, those whose GEMM1
+# state words, which it leaves unused): a one- or two-row GEMM2 pass's state (the K128 stages issued, those whose GEMM1
 # items are done, the slow ones among them, 1 where a wait expired), the stage of each of the last 16 copy groups
 # (`ANY_SIG_RING`; -1: none), and 1 where a block of the CTA's GEMM1 item sent its row to the slow path.
 CTL_ANY = CTL_BARS
