@@ -25,7 +25,7 @@ class Var:
 _ABLATIONS = ("nomath", "nogemm2", "widedecode", "tma", "static", "evenbodies", "timeline", "nosingle", "twoplane",
               "stagebar", "sharedfirst", "routedfirst", "regpull", "onecta", "nofourrow", "stagetest", "kpair",
               "l2ahead", "wearly", "wearly1", "wearlyl2", "shallow", "spin", "bar4", "kbany", "kbany1",
-              "trips")
+              "kbanyeager", "trips")
 
 
 def _ablation(text: str) -> str:
@@ -144,7 +144,8 @@ VARS = {v.name: v for v in (
                                        "taking its stages in the order they become ready and adding the blocks' "
                                        "exact products in K order at the end, routed variants of up to 8 tokens, "
                                        "results exact, not yet run on a GPU, for A/B timing; kbany1: kbany for "
-                                       "one-row items only; trips: the bounded waits load the error flag "
+                                       "one-row items only; kbanyeager: kbany polling at every step that has no "
+                                       "stage to issue; trips: the bounded waits load the error flag "
                                        "before the counter's acquire load (one round trip per poll instead of two) "
                                        "and role 2 loads the routes it lists before phase 0, results exact, not "
                                        "yet run on a GPU, for A/B timing); "

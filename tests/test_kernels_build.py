@@ -674,8 +674,8 @@ def test_the_kbany_build_tags_gemm1_items_and_polls_them_per_block(cache, monkey
   """GCMOE_ABLATION=kbany (docs/kernels_v2.md "GEMM2 stages out of K order"; timing, results exact): its own key,
   roles 1 and 3 as they are; in role 2 each GEMM1 item's 64-bit tag store and the one- and two-row GEMM2 passes'
   polls of them (the normal build has neither), those passes' own loops (more MMA instructions; kbany1 has the
-  one-row pass's only) and a one-row pass's p through SMEM; a variant of 16 tokens builds none of it, a timeline
-  build of it the stamps too."""
+  one-row pass's only, kbanyeager the same with another poll rule) and a one-row pass's p through SMEM; a variant of
+  16 tokens builds none of it, a timeline build of it the stamps too."""
   small8 = dataclasses.replace(SMALL, capacity=8)
   normal, ablated = _role2_only_ablation("kbany", cache, monkeypatch, small8)
   a, b = _ptx(normal, 2), _ptx(ablated, 2)
@@ -689,6 +689,9 @@ def test_the_kbany_build_tags_gemm1_items_and_polls_them_per_block(cache, monkey
   one = _ptx(build.compile_variant("sm_90a", small8, cache_dir=cache), 2)
   assert "ld.acquire.gpu.global.v2.b64" in one
   assert a.count("mma.sync.aligned.m16n8k32") < one.count("mma.sync.aligned.m16n8k32") < b.count("mma.sync.aligned")
+  monkeypatch.setenv("GCMOE_ABLATION", "kbanyeager")  # the same passes, polling at more steps
+  eager = _ptx(build.compile_variant("sm_90a", small8, cache_dir=cache), 2)
+  assert eager != b and eager.count("mma.sync.aligned.m16n8k32") == b.count("mma.sync.aligned.m16n8k32")
   monkeypatch.setenv("GCMOE_ABLATION", "timeline+kbany")  # the timeline's stamps in this build
   stamped = build.compile_variant("sm_90a", small8, cache_dir=cache)
   c = _ptx(stamped, 2)

@@ -517,7 +517,8 @@ def test_shared_expert_smem_fits_the_pipeline_area_and_sm120():
 
 
 
-def _any_schedule(rows: int, kb_n: int, n_st: int, ready_step: list[int]) -> tuple[list[int], list[str]]:
+def _any_schedule(rows: int, kb_n: int, n_st: int, ready_step: list[int],
+                  poll_pending: int = r2.ANY_POLL_PENDING) -> tuple[list[int], list[str]]:
   """A step model of a `kbany` pass (`RoleKernelsV2._any_mainloop`, `_any_pick`, `_any_poll`): K128 stage kb is
   ready from barrier step ``ready_step[kb]`` on (its two GEMM1 items done); returns the stages in the order they are
   computed, and every broken rule: a copy group computed before `cp.async.wait_group` covers it, a stage slot
@@ -532,7 +533,7 @@ def _any_schedule(rows: int, kb_n: int, n_st: int, ready_step: list[int]) -> tup
     nonlocal snapshot
     left = set(range(kb_n)) - issued
     wanted = {min(left)} if rows == 2 and left else left
-    if not wanted & snapshot and left and pending <= r2.ANY_POLL_PENDING:
+    if not wanted & snapshot and left and pending <= poll_pending:
       snapshot = {kb for kb in range(kb_n) if ready_step[kb] <= step}
       if pending == 0 and not wanted & snapshot:
         step = min(ready_step[kb] for kb in wanted)  # the blocking poll sleeps until then
@@ -591,8 +592,9 @@ def test_kbany_passes_take_every_stage_once_and_keep_their_slots_and_ring(monkey
       assert 4 <= n_st <= r2.MAX_STAGES and n_st * r2.any_stage_bytes(rows) + p_bytes <= kern.pipe_bytes, (v, rows)
       assert r2.W_BYTES + r2.SC_BYTES + 8 * 16 + rows * r2.TOKEN_STRIDE <= r2.any_stage_bytes(rows)
       assert r2.any_stage_bytes(rows) % 128 == 0
-      for _ in range(20):
-        order, broken = _any_schedule(rows, kb_n, n_st, list(rng.integers(0, 3 * kb_n, kb_n)))
+      for trial in range(20):
+        poll = (r2.ANY_POLL_PENDING, r2.MAX_STAGES)[trial % 2]  # (kbany, kbanyeager)
+        order, broken = _any_schedule(rows, kb_n, n_st, list(rng.integers(0, 3 * kb_n, kb_n)), poll)
         assert not broken, (v, rows, broken[:3])
         assert sorted(order) == list(range(kb_n)) and (rows == 1 or order == list(range(kb_n))), (v, rows, order)
     # Stages ready in reverse K order: a one-row pass starts with the last, a two-row one waits for the first.
@@ -605,3 +607,6 @@ def test_kbany_passes_take_every_stage_once_and_keep_their_slots_and_ring(monkey
   assert not r2.RoleKernelsV2(glm, "sm_120a").kbany and r2.RoleKernelsV2(glm).kbany_rows == 2
   monkeypatch.setenv("GCMOE_ABLATION", "kbany1")  # one-row items only
   assert r2.RoleKernelsV2(glm).kbany and r2.RoleKernelsV2(glm).kbany_rows == 1
+  monkeypatch.setenv("GCMOE_ABLATION", "kbanyeager")  # polls at every step with nothing to issue
+  kern = r2.RoleKernelsV2(glm)
+  assert kern.kbany and kern.kbany_rows == 2 and kern.any_poll_pending >= kern._any_stages(1) - 2

@@ -974,8 +974,11 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # two GEMM1 items producing it and takes its stages in the order they become ready (`_any_mainloop`), in the
     # one-rank routed variants of up to 8 tokens (the one-row body; the cp.async producer; with the shared expert
     # ptxas spilled 120-156 B at the two-CTA cap, reloaded 6-8 times in the shared items' loops).
-    self.kbany = (self.ablation in ("kbany", "kbany1") and self.single and not self.fused and not v.shared
-                  and v.capacity <= 8 and self.smem_tables and not self.kpair)
+    self.kbany = (self.ablation in ("kbany", "kbany1", "kbanyeager") and self.single and not self.fused
+                  and not v.shared and v.capacity <= 8 and self.smem_tables and not self.kpair)
+    # Stages in flight up to which a `kbany` pass polls (`kbanyeager`: at every step where it has none left to
+    # issue, for less lag between a GEMM1 item's end and its stages' copies, at a round trip a step).
+    self.any_poll_pending = MAX_STAGES if self.ablation == "kbanyeager" else ANY_POLL_PENDING
     # The rows of the items that do (`kbany1`: one-row items only, the two-row ones waiting for their expert as
     # normal: the pace model prices in-order per-block waits below the expert-wide wait once a poll lags).
     self.kbany_rows = 1 if self.ablation == "kbany1" else 2
@@ -3312,7 +3315,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
                 e: Int32, wsb: Int64, cur: Int32, ctl: Int32):
     """Warp 0 of a `kbany` pass: the stages of copy groups g0 .. g0 + n - 1 (`CTL_ANY_SIG`: the stage, plus 256 where
     it takes the slow path; -1 for none): the lowest ready stages not yet issued, or with ``rows`` = 2 the next
-    stages in K order while they are ready. Where none is left to issue and at most `ANY_POLL_PENDING` stages are
+    stages in K order while they are ready. Where none is left to issue and at most `any_poll_pending` stages are
     pending in the ``span`` groups in flight before g0, it polls the GEMM1 items' tags once, or, with none pending,
     until one is ready (bounded: a timeout records ``WAIT_GEMM1 + e`` with the stages ready, and stops the pass)."""
     lane = cute.arch.lane_idx()
@@ -3328,7 +3331,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       for q in cutlass.range_constexpr(span):
         pending = pending + cutlass.select_(_lds(ctl + CTL_ANY_SIG + 4 * ((g0 - span + q) % ANY_SIG_RING)) >= 0,
                                             Int32(1), Int32(0))
-      if pending <= ANY_POLL_PENDING:
+      if pending <= self.any_poll_pending:
         ready, slow, stop = self._any_poll(tags, wanted, pending, e, wsb, cur)
     for q in cutlass.range_constexpr(n):
       sig = Int32(-1)
