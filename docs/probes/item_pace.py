@@ -65,8 +65,7 @@ def simulate(hit: int, j1: int, j2: int, s1: int, s2: int, pace: dict, factor: n
   nxt = 0  # the queue's next item: GEMM1 items 0 .. n1 - 1 (expert-major), then GEMM2 items
   item = np.full(ctas, -1)
   left = np.zeros(ctas)  # stages left of the CTA's item
-  g1_done = np.zeros((hit, j1), bool)
-  g1_end = np.full((hit, j1), np.inf)  # when each GEMM1 item ended
+  g1_end = np.full((hit, j1), np.inf)  # when each GEMM1 item ended (inf: not yet)
   t, done2 = 0.0, 0
   stage_done = np.zeros((ctas, s2), bool)  # rule "any": the GEMM2 item's stages done
   on = np.full(ctas, -1)  # rule "any": the stage the CTA computes
@@ -82,15 +81,15 @@ def simulate(hit: int, j1: int, j2: int, s1: int, s2: int, pace: dict, factor: n
     g2 = busy & (item >= n1)
     e = np.clip(np.where(item >= n1, (item - n1) // j2, item // j1), 0, hit - 1)
     # A GEMM2 item computes only while the inputs of its next stage are done; else its CTA waits (and sleeps).
+    part = np.where(item >= n1, (item - n1) % j2 % parts, 0)
+    seen = g1_end <= t - lag  # (rules block and any: the GEMM1 items the build would have seen done)
     if rule == "expert":
-      inputs = g1_done.all(axis=1)[e]
+      inputs = np.isfinite(g1_end).all(axis=1)[e]
     elif rule == "none":
       inputs = np.ones(ctas, bool)
     elif rule == "any":
       # Out of K order: the CTA takes the lowest stage not yet done whose two GEMM1 items are done (its exact
       # products kept until the ordered sum at the end), so it waits only where none of its stages is ready.
-      part = np.where(item >= n1, (item - n1) % j2 % parts, 0)
-      seen = g1_end <= t - lag
       ready = seen[e][:, 0::2] & seen[e][:, 1::2]  # [ctas, K128 blocks of the expert]
       cols = part[:, None] * s2 + np.arange(s2)[None, :]
       open_ = ready[np.arange(ctas)[:, None], cols] & ~stage_done
@@ -102,9 +101,7 @@ def simulate(hit: int, j1: int, j2: int, s1: int, s2: int, pace: dict, factor: n
       on = np.where(g2, on, -1)
       inputs = on >= 0
     else:
-      part = np.where(item >= n1, (item - n1) % j2 % parts, 0)
       kb = part * s2 + np.clip(s2 - np.ceil(left - 1e-9).astype(int), 0, s2 - 1)  # the K128 block it is on
-      seen = g1_end <= t - lag
       inputs = seen[e, 2 * kb] & seen[e, 2 * kb + 1]
     computing = busy & (~g2 | inputs)
     shared = np.repeat(computing.reshape(sms, 2).sum(axis=1) == 2, 2)
@@ -120,7 +117,6 @@ def simulate(hit: int, j1: int, j2: int, s1: int, s2: int, pace: dict, factor: n
     t += dt
     for c in np.flatnonzero(busy & (left <= 1e-9)):
       if item[c] < n1:
-        g1_done[item[c] // j1, item[c] % j1] = True
         g1_end[item[c] // j1, item[c] % j1] = t
       else:
         done2 += 1
