@@ -970,9 +970,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # `GCMOE_ABLATION=trips` (timing, results exact): fewer round trips one after another in the waits (`_poll_pair`)
     # and the route list (`_route_ids` before phase 0).
     self.trips = self.ablation == "trips"
-    # `GCMOE_ABLATION=kbany` (timing, results exact): a routed GEMM2 item of one row waits per K128 block for the
-    # two GEMM1 items producing it and takes its stages in the order they become ready (`_any_mainloop`), in the
-    # one-rank routed variants of up to 8 tokens (the one-row body; the cp.async producer; with the shared expert
+    # `GCMOE_ABLATION=kbany` (timing, results exact): a routed GEMM2 item of one or two rows waits per K128 block for
+    # the two GEMM1 items producing it, one of one row taking its stages in the order they become ready
+    # (`_any_mainloop`), in the one-rank routed variants of up to 8 tokens (the one-row body; the cp.async producer; with the shared expert
     # ptxas spilled 120-156 B at the two-CTA cap, reloaded 6-8 times in the shared items' loops).
     self.kbany = (self.ablation in ("kbany", "kbany1", "kbanyeager") and self.single and not self.fused
                   and not v.shared and v.capacity <= 8 and self.smem_tables and not self.kpair)
@@ -3336,9 +3336,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     for q in cutlass.range_constexpr(n):
       sig = Int32(-1)
       low = ready & ~issued
-      low = low & (0 - low)  # the lowest ready stage not issued
       if cutlass.const_expr(rows == 2):
-        low = ready & ~issued & (issued + 1)  # the next stage in K order, if ready
+        low = low & (issued + 1)  # the next stage in K order, if ready
+      else:
+        low = low & (0 - low)  # the lowest ready stage not issued
       if low != 0:
         kb = v1._popc(low - 1)
         sig = kb | (((slow >> kb) & 1) << 8)
