@@ -3513,13 +3513,14 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     in two n-tiles' columns, lane t4 the two rows of slot t4 (`QUAD_SLOT_COLUMNS`). ``ctl``: the control area, whose
     `CTL_TABLES` the decode reads; None: the tables as immediates. ``pv`` (a `kpair` pass, ``single`` 1 or 2): each
     block's p also to ``pv[p0 + s]``, the B operand of warps 4-7 from slots 4-7 (`_cpasync_mainloop`); with
-    ``p_only`` (a `kbany` pass, ``single`` = 1) only there, ``acc`` untouched (`_any_compute`).
+    ``p_only`` (a `kbany` pass, ``single`` = 1) only there, ``acc`` untouched, every warp's B from slot 0
+    (`_any_compute`).
     """
     warp, lane, g, t4 = _lanes()
     slots = 8 * nt
     xe_off = W_BYTES + SC_BYTES
     xp_off = xe_off + slots * 16
-    if cutlass.const_expr(pv is not None):
+    if cutlass.const_expr(pv is not None and not p_only):  # (`kpair`; a `kbany` pass's stage holds slot 0 alone)
       half = warp // (WARPS // 2)
       xe_off = xe_off + half * (4 * 16)
       xp_off = xp_off + half * (4 * TOKEN_STRIDE)
