@@ -972,8 +972,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     self.trips = self.ablation == "trips"
     # `GCMOE_ABLATION=kbany` (timing, results exact): a routed GEMM2 item of one or two rows waits per K128 block for
     # the two GEMM1 items producing it, one of one row taking its stages in the order they become ready
-    # (`_any_mainloop`), in the one-rank routed variants of up to 8 tokens (the one-row body; the cp.async producer; with the shared expert
-    # ptxas spilled 120-156 B at the two-CTA cap, reloaded 6-8 times in the shared items' loops).
+    # (`_any_mainloop`), in the one-rank routed variants of up to 8 tokens (the one-row body; the cp.async producer;
+    # with the shared expert ptxas spilled 120-156 B at the two-CTA cap, reloaded 6-8 times in the shared items'
+    # loops).
     self.kbany = (self.ablation in ("kbany", "kbany1", "kbanyeager") and self.single and not self.fused
                   and not v.shared and v.capacity <= 8 and self.smem_tables and not self.kpair)
     # Stages in flight up to which a `kbany` pass polls (`kbanyeager`: at every step where it has none left to
