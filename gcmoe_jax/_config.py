@@ -25,7 +25,7 @@ class Var:
 _ABLATIONS = ("nomath", "nogemm2", "widedecode", "tma", "static", "evenbodies", "timeline", "nosingle", "twoplane",
               "stagebar", "sharedfirst", "routedfirst", "regpull", "onecta", "nofourrow", "stagetest", "kpair",
               "l2ahead", "wearly", "wearly1", "wearlyl2", "shallow", "spin", "bar4", "kbany", "kbany1",
-              "kbanyeager", "trips")
+              "kbanyeager", "trips", "shfree")
 
 
 def _ablation(text: str) -> str:
@@ -148,7 +148,10 @@ VARS = {v.name: v for v in (
                                        "stage to issue; trips: the bounded waits load the error flag "
                                        "before the counter's acquire load (one round trip per poll instead of two) "
                                        "and role 2 loads the routes it lists before phase 0, results exact, not "
-                                       "yet run on a GPU, for A/B timing); "
+                                       "yet run on a GPU, for A/B timing; shfree: the shared expert's F x F "
+                                       "MMA chains of token groups of 8 and 16 start at a constant and drop the "
+                                       "Shh and Sll ends after them (MMA chains of two, not four), results "
+                                       "exact, for A/B timing); "
                                        "part of the cubin key"),
   Var("GCMOE_WAIT_TIMEOUT_MS", _wait_ms, 2000, "bound of every device spin-wait; expiry becomes a Python exception"),
   Var("GCMOE_FIRST_WAIT_TIMEOUT_MS", _wait_ms, 120_000, "bound of the spin-waits of the first call of the fused "

@@ -724,6 +724,28 @@ def test_the_trips_build_polls_the_flag_and_the_counter_at_once(cache, monkeypat
 
 @needs_dsl
 @pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
+def test_the_shfree_build_starts_the_shared_f_chains_at_a_constant(cache, monkeypatch):
+  """GCMOE_ABLATION=shfree (timing, results exact): its own key, roles 1 and 3 as they are; in role 2 the shared
+  expert's F x F chains of a token group start at 3 MAGIC (an immediate MMA accumulator) and Shh's and Sll's ends are
+  subtracted after them, with the same MMAs, SMEM loads and float operations in number."""
+  from gcmoe_jax.kernels import roles_v2
+  normal, free = _role2_only_ablation("shfree", cache, monkeypatch)
+  a, b = _ptx(normal, 2), _ptx(free, 2)
+  assert a != b
+  for op in ("mma.sync.aligned.m16n8k32", "ld.shared", "add.f32", "fma.rn.f32", "mul.f32"):
+    assert a.count(op) == b.count(op), op
+  # normal: each F chain's accumulator is 3 MAGIC less two ends (a sub.s32 from the immediate per element); shfree:
+  # the MMA takes the immediate itself
+  from_magic3 = r"mma\.sync[^\n]*\{" + ", ".join([str(roles_v2.MAGIC3)] * 4) + r"\};"
+  sub_magic3 = rf"sub\.s32\s+%r\d+, {roles_v2.MAGIC3}, %r\d+;"
+  chains = len(re.findall(from_magic3, b))
+  assert chains > 0 and not re.findall(from_magic3, a)
+  assert len(re.findall(sub_magic3, a)) == 4 * chains and not re.findall(sub_magic3, b)
+  assert free["roles"][1]["spill_bytes"] <= build._ABLATION_SPILL_BUDGET[2]
+
+
+@needs_dsl
+@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
 def test_the_wearly_builds_copy_weights_before_their_waits(cache, monkeypatch):
   """GCMOE_ABLATION=wearly / wearly1 / wearlyl2 (docs/kernels_v2.md "The H100 timeline, and three ideas that did not
   pay"): each under its own key with roles 1 and 3 as they are and role 2's MMAs unchanged in number; role 2 holds

@@ -318,6 +318,11 @@ def _sh_block_p(wb: np.ndarray, xb: np.ndarray) -> np.float32:
   d = [u32(magic + int(v)) for v in (l1w @ l1x, l1w @ l0x + l0w @ l1x, l0w @ l0x)]
   ff = (f1w @ f1x, f1w @ f0x + f0w @ f1x, f0w @ f0x)
   e = [u32(u32(r2.MAGIC3) - c[i] - d[i] + int(ff[i])) for i in range(3)]
+  # `GCMOE_ABLATION=shfree`: the F chains start at 3 MAGIC (a signed int32: no MMA step wraps) and Shh's and Sll's ends
+  # are subtracted after them, mod 2**32: the same words
+  partial = (f1w @ f1x, f1w @ f0x, f1w @ f0x + f0w @ f1x, f0w @ f0x)
+  assert all(abs(r2.MAGIC3 + int(v)) < 2**31 for v in partial)
+  assert [u32(u32(r2.MAGIC3 + int(ff[i])) - c[i] - d[i]) for i in range(3)] == e
   for chain in c + d + e:  # every chain ends at the float32 bits of 1.5 2**23 + S, |S| < 2**22
     assert abs(chain - magic) < 2**22
 

@@ -970,6 +970,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # `GCMOE_ABLATION=trips` (timing, results exact): fewer round trips one after another in the waits (`_poll_pair`)
     # and the route list (`_route_ids` before phase 0).
     self.trips = self.ablation == "trips"
+    # `GCMOE_ABLATION=shfree` (timing, results exact): the shared expert's F x F chains of a token group of 8 or 16
+    # (`_sh_tiles`) start at a constant instead of at the ends of Shh's and Sll's, so each n-tile's MMAs form chains
+    # of at most two instead of four (the same instructions in number; the same int32 sums mod 2**32).
+    self.sh_free = self.ablation == "shfree"
     # `GCMOE_ABLATION=kbany` (timing, results exact): a routed GEMM2 item of one or two rows waits per K128 block for
     # the two GEMM1 items producing it, one of one row taking its stages in the order they become ready
     # (`_any_mainloop`), in the one-rank routed variants of up to 8 tokens (the one-row body; the cp.async producer;
@@ -2473,9 +2477,17 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       d1 = _mma_s8(al1, bl1, m4)
       d2 = _mma_s8(al0, bl1, _mma_s8(al1, bl0, m4))
       d3 = _mma_s8(al0, bl0, m4)
-      e1 = _mma_s8(af1, bf1, tuple(MAGIC3 - c1[i] - d1[i] for i in range(4)))
-      e2 = _mma_s8(af0, bf1, _mma_s8(af1, bf0, tuple(MAGIC3 - c2[i] - d2[i] for i in range(4))))
-      e3 = _mma_s8(af0, bf0, tuple(MAGIC3 - c3[i] - d3[i] for i in range(4)))
+      if cutlass.const_expr(self.sh_free):
+        # (`shfree`: F x F's chains start at 3 MAGIC and drop Shh's and Sll's ends after their MMAs, the same int32 mod
+        # 2**32, so its MMAs need not wait for the other six chains')
+        m3 = (Int32(MAGIC3),) * 4
+        e1, e2, e3 = _mma_s8(af1, bf1, m3), _mma_s8(af0, bf1, _mma_s8(af1, bf0, m3)), _mma_s8(af0, bf0, m3)
+        e1, e2, e3 = (tuple(e[i] - c[i] - d[i] for i in range(4)) for e, c, d in ((e1, c1, d1), (e2, c2, d2),
+                                                                                   (e3, c3, d3)))
+      else:
+        e1 = _mma_s8(af1, bf1, tuple(MAGIC3 - c1[i] - d1[i] for i in range(4)))
+        e2 = _mma_s8(af0, bf1, _mma_s8(af1, bf0, tuple(MAGIC3 - c2[i] - d2[i] for i in range(4))))
+        e3 = _mma_s8(af0, bf0, tuple(MAGIC3 - c3[i] - d3[i] for i in range(4)))
       xe = sb + sh.xe + ((buf * sh.tokens + tok + 2 * t4) * SH_STEP + lb) * 4
       ex = (_lds(xe), _lds(xe + SH_STEP * 4))
       p = [Int32(0)] * 4
