@@ -149,7 +149,7 @@ VARS = {v.name: v for v in (
                                        "stage to issue; trips: the bounded waits load the error flag "
                                        "before the counter's acquire load (one round trip per poll instead of two) "
                                        "and role 2 loads the routes it lists before phase 0, results exact, "
-                                       "within ~1 % at B = 1-8 on the H100 (sessions 43-44), for A/B timing; "
+                                       "within 2 % at B = 1-8 on the H100 (sessions 43-44), for A/B timing; "
                                        "shfree: the shared expert's F x F "
                                        "MMA chains of token groups of 8 and 16 start at a constant and drop the "
                                        "Shh and Sll ends after them (MMA chains of two, not four), results "

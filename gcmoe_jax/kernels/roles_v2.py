@@ -2477,17 +2477,16 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       d1 = _mma_s8(al1, bl1, m4)
       d2 = _mma_s8(al0, bl1, _mma_s8(al1, bl0, m4))
       d3 = _mma_s8(al0, bl0, m4)
+      # (`shfree`: F x F's chains start at 3 MAGIC and drop Shh's and Sll's ends after their MMAs, the same int32 mod
+      # 2**32, so its MMAs need not wait for the other six chains')
+      start = lambda c, d: ((Int32(MAGIC3),) * 4 if self.sh_free  # noqa: E731
+                            else tuple(MAGIC3 - c[i] - d[i] for i in range(4)))
+      e1 = _mma_s8(af1, bf1, start(c1, d1))
+      e2 = _mma_s8(af0, bf1, _mma_s8(af1, bf0, start(c2, d2)))
+      e3 = _mma_s8(af0, bf0, start(c3, d3))
       if cutlass.const_expr(self.sh_free):
-        # (`shfree`: F x F's chains start at 3 MAGIC and drop Shh's and Sll's ends after their MMAs, the same int32 mod
-        # 2**32, so its MMAs need not wait for the other six chains')
-        m3 = (Int32(MAGIC3),) * 4
-        e1, e2, e3 = _mma_s8(af1, bf1, m3), _mma_s8(af0, bf1, _mma_s8(af1, bf0, m3)), _mma_s8(af0, bf0, m3)
         e1, e2, e3 = (tuple(e[i] - c[i] - d[i] for i in range(4)) for e, c, d in ((e1, c1, d1), (e2, c2, d2),
                                                                                    (e3, c3, d3)))
-      else:
-        e1 = _mma_s8(af1, bf1, tuple(MAGIC3 - c1[i] - d1[i] for i in range(4)))
-        e2 = _mma_s8(af0, bf1, _mma_s8(af1, bf0, tuple(MAGIC3 - c2[i] - d2[i] for i in range(4))))
-        e3 = _mma_s8(af0, bf0, tuple(MAGIC3 - c3[i] - d3[i] for i in range(4)))
       xe = sb + sh.xe + ((buf * sh.tokens + tok + 2 * t4) * SH_STEP + lb) * 4
       ex = (_lds(xe), _lds(xe + SH_STEP * 4))
       p = [Int32(0)] * 4
