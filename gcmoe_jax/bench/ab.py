@@ -113,7 +113,7 @@ def to_markdown(results: Sequence[Result], settings: Sequence[Setting]) -> str:
     cells = []
     for i, (v, m) in enumerate(zip(per, means)):
       cell = f"{m:.1f} ({', '.join(f'{t:.1f}' for t in v)})"
-      if i and not math.isnan(means[0]):
+      if i and means[0] > 0:  # a non-positive first mean is timing noise (see sweep.NOT_POSITIVE_NOTE): no ratio
         cell += f" **{100 * (m / means[0] - 1):+.1f} %**"
       cells.append(cell)
     lines.append(f"| {impl} | {batch} | " + " | ".join(cells) + " |")
