@@ -1,5 +1,6 @@
-"""One GLM5.2 (default) or DSV4.1-Flash (`dsv`) per-rank layer, routed, at batch B through gm.moe (CUDA), run three
-times: the workload of docs/probes/ncu_role2.sh. Usage: python docs/probes/moe_layer.py B [glm|dsv]"""
+"""One GLM5.2 (default) or DSV4.1-Flash (`dsv`) per-rank layer, routed or with its shared expert (`shared`: MXFP8,
+K-group 128, its paper size), at batch B through gm.moe (CUDA), run three times: the workload of
+docs/probes/ncu_role2.sh. Usage: python docs/probes/moe_layer.py B [glm|dsv] [shared]"""
 import sys
 import jax
 import jax.numpy as jnp
@@ -14,8 +15,14 @@ key = jax.random.PRNGKey(0)
 k1, k2, k3 = jax.random.split(key, 3)
 w13 = jax.random.normal(k1, (e, h, 2 * i), jnp.float32) / np.sqrt(h)
 w2 = jax.random.normal(k2, (e, i, h), jnp.float32) / np.sqrt(i)
-w = gm.quantize_experts(w13, w2)
-del w13, w2
+shared = None
+if len(sys.argv) > 3 and sys.argv[3] == "shared":
+  k4, k5 = jax.random.split(k3)
+  si = 2048 if model == "glm" else 2304  # the paper models' shared intermediate (`bench.sweep`'s shapes)
+  shared = (jax.random.normal(k4, (h, 2 * si), jnp.float32) / np.sqrt(h),
+            jax.random.normal(k5, (si, h), jnp.float32) / np.sqrt(si))
+w = gm.quantize_experts(w13, w2, shared=shared, shared_group=128)
+del w13, w2, shared
 x = jax.random.normal(k3, (b, h), jnp.float32).astype(jnp.bfloat16)
 ids, rw = problems.make_routes(np.random.default_rng(0), "default", b, e, k)
 routes = gm.Routes(jnp.asarray(ids), jnp.asarray(rw))

@@ -3,7 +3,13 @@
 # second call's role-2 kernel profiled, with the stall reasons of its PC samples. Run on the GPU machine with the
 # cubins carried:
 #   GCMOE_CUBIN_DIR=$PWD/.cubins bash docs/probes/ncu_role2.sh 1 64
+# NCU_LAYER: moe_layer.py's arguments after B ("dsv", "glm shared"); NCU_MORE=1 adds the pipe, shared-memory and
+# instruction-mix sections (where two CTAs of an SM compete: session 41 measured a GEMM1 item 1.4x slower beside
+# another than alone) and prints their tables.
 set -u
+more=()
+[[ -n "${NCU_MORE:-}" ]] && more=(--section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+  --section MemoryWorkloadAnalysis_Tables --section InstructionStats --print-details all)
 metrics=smsp__inst_executed.sum,smsp__inst_executed_pipe_tensor.sum,smsp__pcsamp_sample_count
 for r in barrier branch_resolving dispatch_stall drain imc_miss lg_throttle long_scoreboard math_pipe_throttle membar \
     mio_throttle misc no_instructions not_selected selected short_scoreboard sleeping tex_throttle wait; do
@@ -12,5 +18,5 @@ done
 for B in "$@"; do
   ncu --clock-control none -k regex:gcmoe_role2 --launch-skip 1 --launch-count 1 \
     --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
-    --metrics "$metrics" python "$(dirname "$0")/moe_layer.py" "$B"
+    "${more[@]}" --metrics "$metrics" python "$(dirname "$0")/moe_layer.py" "$B" ${NCU_LAYER:-}
 done
