@@ -7,6 +7,9 @@
 # instruction-mix sections (where two CTAs of an SM compete: session 41 measured a GEMM1 item 1.4x slower beside
 # another than alone) and prints their tables.
 set -u
+# Without XLA's preallocated pool ncu backs up (for its kernel replays) only the memory the layer uses; the shared
+# variant's run under the pool ended in a segmentation fault in session 45.
+export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-false}
 more=()
 [[ -n "${NCU_MORE:-}" ]] && more=(--section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
   --section MemoryWorkloadAnalysis_Tables --section InstructionStats --print-details all)
