@@ -277,12 +277,15 @@ def test_ab_runs_each_setting_in_its_own_process_and_reports_the_changes(tmp_pat
   assert sorted((r["setting"], r["env"], r["batch"]) for r in rows) == [
     ("0", "(as is)", "1"), ("0", "(as is)", "2"), ("1", "GCMOE_WAIT_TIMEOUT_MS=1500", "1"),
     ("1", "GCMOE_WAIT_TIMEOUT_MS=1500", "2")]
+  children = {}  # each child's own CSV, by setting and batch
+  for setting in ("0", "1"):
+    with open(tmp_path / "ab" / f"s{setting}_r0" / "bench_custom.csv", newline="") as f:
+      children[setting] = {c["batch"]: c for c in csv.DictReader(f) if c["impl"] == impl}
   for r in rows:  # each child's own figures, carried over unchanged
-    with open(tmp_path / "ab" / f"s{r['setting']}_r0" / "bench_custom.csv", newline="") as f:
-      child = {c["batch"]: c for c in csv.DictReader(f) if c["impl"] == impl}
+    child = children[r["setting"]][r["batch"]]
     assert math.isfinite(float(r["latency_us"]))
-    assert float(r["latency_us"]) == pytest.approx(float(child[r["batch"]]["latency_us"]), rel=1e-5)
-    assert float(r["floor_us"]) == pytest.approx(float(child[r["batch"]]["floor_us"]), rel=1e-5)
+    assert float(r["latency_us"]) == pytest.approx(float(child["latency_us"]), rel=1e-5)
+    assert float(r["floor_us"]) == pytest.approx(float(child["floor_us"]), rel=1e-5)
     assert float(r["floor_us"]) > 0
   # The setting reaches the child's environment: a platform jax does not know makes that child fail.
   rc = cli.main(["bench", *_AB_TINY, "--impl", "ragged_dot", "--ab", "", "--ab", "JAX_PLATFORMS=nosuchplatform",
