@@ -970,3 +970,25 @@ def test_an_ablation_build_may_spill_more_than_a_normal_one(monkeypatch):
   monkeypatch.delenv("GCMOE_ABLATION")
   with pytest.raises(BuildError, match="must not spill"):  # one-CTA kernels of a normal build never spill
     build._check_role(2, SMALL, "sm_90a", entry, res(8, 8), ctas=1)
+
+
+@needs_dsl
+@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
+def test_the_row_bodies_start_their_mma_pairs_at_the_epilogue_words(cache, monkeypatch):
+  """The one-, two- and four-row bodies' split-decode MMA pairs start at (MAGIC, 0, MAGIC, 0) (`_stage`'s ``c_row``,
+  docs/kernels_v2.md "Row bodies from MAGIC"), so their epilogue adds no MAGIC to the digit sums: two integer adds a
+  block fewer than `GCMOE_ABLATION=unbiased` (the form before, results exact both ways, its own key, roles 1 and 3
+  as they are), with the same MMAs, SMEM loads, shuffles and float operations in number."""
+  from gcmoe_jax.kernels import roles_v2
+  normal, unbiased = _role2_only_ablation("unbiased", cache, monkeypatch, dataclasses.replace(SMALL, capacity=8))
+  a, b = _ptx(normal, 2), _ptx(unbiased, 2)
+  for op in ("mma.sync.aligned.m16n8k32", "ld.shared", "shfl.sync", "add.f32", "fma.rn", "mul.f32"):
+    assert a.count(op) == b.count(op), op
+  from_row_start = r"mma\.sync[^\n]*\{" + ", ".join([str(roles_v2.MAGIC), "0"] * 2) + r"\};"
+  pairs = len(re.findall(from_row_start, a))
+  assert pairs > 0 and not re.findall(from_row_start, b)
+  add_magic = rf"add\.s32\s+%r\d+, %r\d+, {roles_v2.MAGIC};"
+  # one MAGIC + T and one MAGIC + S2 per (pass body, block) of every unbiased pair, a pair per block in the one- and
+  # two-row bodies and two in the four-row body, whose two epilogues add twice
+  assert len(re.findall(add_magic, b)) - len(re.findall(add_magic, a)) == 2 * pairs, (pairs,)
+  assert unbiased["roles"][1]["spill_bytes"] <= build._ABLATION_SPILL_BUDGET[2]

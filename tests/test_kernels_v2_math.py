@@ -154,6 +154,44 @@ def _c_fragment(c):
           for g in range(8) for t4 in range(4)}
 
 
+def _start(n: int) -> str:
+  """What column n of the one-, two- and four-row bodies' MMA pairs starts at (`_stage`'s ``c_row``, the
+  fragment (MAGIC, 0, MAGIC, 0)): "M" in the even columns, "0" in the odd ones."""
+  return "M" if n % 2 == 0 else "0"
+
+
+def _biased(planes) -> None:
+  """The words a lane's epilogue takes as S0 and S2 started at MAGIC, S1 at zero: MAGIC + T = 64 S1 + (MAGIC + S0)
+  and MAGIC + S2 come out of the MMAs and one IMAD (`roles_v2._row_update`)."""
+  assert [p[-1] for p in planes] == ["M", "0", "M"], planes
+
+
+def test_row_bodies_start_their_mma_pairs_at_the_words_the_epilogue_reads():
+  """The one-, two- and four-row bodies' MMA pairs start at (MAGIC, 0, MAGIC, 0): the int32 words MAGIC + S, and
+  64 S1 + (MAGIC + S0) = MAGIC + T, are those the adds of the form before (`GCMOE_ABLATION=unbiased`) gave: every
+  step of the chains stays far from wrapping (the split decode's P half is up to 24 per weight), and the words are
+  the float32 1.5 2**23 + S exactly."""
+  rng = np.random.default_rng(46)
+  digits = rng.integers(-32, 33, size=(4096, 3, 32))
+  digits[0] = 32
+  digits[1] = -32
+  p_half = rng.choice([0, 2, 4, 6, 8, 12, 16, 24], size=(4096, 32))
+  w2 = rng.choice([-12, -8, -6, -4, -3, -2, -1, 0, 1, 2, 3, 4, 6, 8, 12], size=(4096, 32))
+  w2[0], w2[1] = 12, -12
+  p_half[0] = 24
+  partial = np.einsum("npk,nk->np", digits, p_half)  # the P MMA's sums before the N MMA's
+  sums = np.einsum("npk,nk->np", digits, w2)  # S0, S1, S2
+  assert np.abs(partial).max() < 2**15 and np.abs(sums).max() < 2**15
+  i32 = lambda v: ((np.asarray(v, np.int64) + 2**31) % 2**32 - 2**31).astype(np.int32)  # noqa: E731
+  s0, s1, s2 = (i32(r2.MAGIC + sums[:, 0]), i32(sums[:, 1]), i32(r2.MAGIC + sums[:, 2]))
+  t_new = i32(s1.astype(np.int64) * 64 + s0)
+  t_old = i32(sums[:, 0] + sums[:, 1] * 64 + r2.MAGIC)
+  assert np.array_equal(t_new, t_old)
+  as_f32 = lambda v: v.view(np.float32).astype(np.float64) - 1.5 * 2**23  # noqa: E731
+  assert np.array_equal(as_f32(t_new), sums[:, 0] + 64.0 * sums[:, 1])
+  assert np.array_equal(as_f32(s2), sums[:, 2].astype(np.float64))
+
+
 def _shfl_xor(lanes, values, mask):
   return {(g, t4): values[(g, t4 ^ mask)] for g, t4 in lanes}
 
@@ -161,7 +199,7 @@ def _shfl_xor(lanes, values, mask):
 def test_one_row_body_gives_each_lane_the_three_planes_of_its_row():
   """`roles_v2._stage` with one row: lane t4 = 0 takes row g, t4 = 1 row g + 8; after the K loop row g + 8 moves to
   lane t4 = 0's accumulator 2 (slot 0's), where the pass epilogue reads it."""
-  r = _c_fragment(lambda row, n: ("S%d" % r2.PLANE_COLUMNS[n], row))
+  r = _c_fragment(lambda row, n: ("S%d" % r2.PLANE_COLUMNS[n], row, _start(n)))
   lanes = list(r)
   s2 = _shfl_xor(lanes, {k: v[2] if k[1] == 3 else v[0] for k, v in r.items()}, 2)
   for (g, t4), v in r.items():
@@ -170,7 +208,8 @@ def test_one_row_body_gives_each_lane_the_three_planes_of_its_row():
     upper = t4 == 1
     row = g + 8 if upper else g
     planes = (v[2] if upper else v[0], v[3] if upper else v[1], s2[(g, t4)])
-    assert planes == (("S0", row), ("S1", row), ("S2", row)), (g, t4, planes)
+    assert [p[:2] for p in planes] == [("S0", row), ("S1", row), ("S2", row)], (g, t4, planes)
+    _biased(planes)
   acc = {(g, t4): ("acc", g + 8 * (t4 == 1)) for g, t4 in lanes}
   moved = _shfl_xor(lanes, acc, 1)
   assert all(acc[(g, 0)] == ("acc", g) and moved[(g, 0)] == ("acc", g + 8) for g in range(8))
@@ -179,7 +218,7 @@ def test_one_row_body_gives_each_lane_the_three_planes_of_its_row():
 def test_two_row_body_gives_each_lane_the_three_planes_of_its_slot_and_row():
   """`roles_v2._stage` with two rows: lane t4 takes (slot t4 % 2, row g + 8 (t4 // 2)) and after the K loop lane
   t4 = 0 gathers the four, accumulator c = (slot c % 2, row g + 8 (c // 2)) as the pass epilogue reads them."""
-  r = _c_fragment(lambda row, n: ("S%d" % r2.PLANE_COLUMNS[n], r2.PAIR_SLOT_COLUMNS[n], row))
+  r = _c_fragment(lambda row, n: ("S%d" % r2.PLANE_COLUMNS[n], r2.PAIR_SLOT_COLUMNS[n], row, _start(n)))
   lanes = list(r)
   x = _shfl_xor(lanes, {k: v[2] if k[1] < 2 else v[0] for k, v in r.items()}, 2)
   y = _shfl_xor(lanes, {k: v[3] for k, v in r.items()}, 2)
@@ -187,7 +226,8 @@ def test_two_row_body_gives_each_lane_the_three_planes_of_its_slot_and_row():
     lo = t4 < 2
     slot, row = t4 % 2, g + 8 * (t4 // 2)
     planes = (v[0] if lo else x[(g, t4)], v[1] if lo else y[(g, t4)], x[(g, t4)] if lo else v[2])
-    assert planes == (("S0", slot, row), ("S1", slot, row), ("S2", slot, row)), (g, t4, planes)
+    assert [p[:3] for p in planes] == [("S0", slot, row), ("S1", slot, row), ("S2", slot, row)], (g, t4, planes)
+    _biased(planes)
   acc = {(g, t4): (t4 % 2, g + 8 * (t4 // 2)) for g, t4 in lanes}
   for c in range(1, 4):
     moved = _shfl_xor(lanes, acc, c)
@@ -198,12 +238,14 @@ def test_four_row_body_gives_each_lane_the_three_planes_of_its_slot_for_both_row
   """`roles_v2._stage` with 3 or 4 rows: B fragment X (column n = slot n >> 1, plane n & 1) and Y (column n = slot
   n >> 1, plane 2) leave lane t4 the planes of (slot t4, row g) and (slot t4, row g + 8) in its own registers; after
   the K loop lanes t4 = 0, 1 gather the 1-tile layout, accumulator c = (slot 2 t4 + c % 2, row g + 8 (c // 2))."""
-  x = _c_fragment(lambda row, n: ("S%d" % r2.QUAD_X_PLANES[n], r2.QUAD_SLOT_COLUMNS[n], row))
-  y = _c_fragment(lambda row, n: ("S2", r2.QUAD_SLOT_COLUMNS[n], row))
+  x = _c_fragment(lambda row, n: ("S%d" % r2.QUAD_X_PLANES[n], r2.QUAD_SLOT_COLUMNS[n], row, _start(n)))
+  y = _c_fragment(lambda row, n: ("S2", r2.QUAD_SLOT_COLUMNS[n], row, _start(n)))
   for (g, t4), v in x.items():
     w = y[(g, t4)]
-    assert (v[0], v[1], w[0]) == (("S0", t4, g), ("S1", t4, g), ("S2", t4, g)), (g, t4)
-    assert (v[2], v[3], w[2]) == (("S0", t4, g + 8), ("S1", t4, g + 8), ("S2", t4, g + 8)), (g, t4)
+    for h in range(2):
+      planes = (v[2 * h], v[2 * h + 1], w[2 * h])
+      assert [p[:3] for p in planes] == [("S0", t4, g + 8 * h), ("S1", t4, g + 8 * h), ("S2", t4, g + 8 * h)]
+      _biased(planes)
   acc = {(g, t4): [(t4, g), (t4, g + 8)] for g in range(8) for t4 in range(4)}
   for g in range(8):
     for t4 in range(2):  # lanes t4 = 2, 3 gather padding slots 4-7

@@ -681,19 +681,27 @@ def _scaled_p(fast: bool, df, xw, wb):
   return cutlass.select_(xw == abi.NAN_WORD, Int32(v1.F32_QNAN), p)
 
 
-def _split_mma(a_pos, a_neg, b):
-  """A B of a K32 block in the split decode (A = P + N, `_split_fragments`): two chained MMAs from zero."""
-  zero4 = (Int32(0), Int32(0), Int32(0), Int32(0))
-  return _mma_s8(a_neg, b, _mma_s8(a_pos, b, zero4))
+def _split_mma(a_pos, a_neg, b, c=None):
+  """A B + C of a K32 block in the split decode (A = P + N, `_split_fragments`): two chained MMAs from ``c`` (zero
+  when None)."""
+  if c is None:
+    c = (Int32(0), Int32(0), Int32(0), Int32(0))
+  return _mma_s8(a_neg, b, _mma_s8(a_pos, b, c))
 
 
-def _row_update(fast: bool, s0, s1, s2, xw, scale_word, s: int, acc, pv=None, at: int = 0, p_only: bool = False):
-  """``acc`` after block ``s`` of one (row, token) from its three plane sums: f32(D) by the magic conversion, then
-  `_scaled_add` (`_stage`; the row's weight scale is byte ``s`` of ``scale_word``). With ``pv`` (a `kpair` pass) the
-  block's p goes to ``pv[at]`` too and is added by ``fadd`` (the same bits); ``p_only`` (a `kbany` pass, which adds
-  the p in K order at the end): ``acc`` is returned as it is."""
-  tf = v1._fadd(s0 + s1 * (1 << abi.DIGIT_BITS) + MAGIC, MAGIC_NEG)
-  sf = v1._fadd(s2 + MAGIC, MAGIC_NEG)
+def _digit_pair(s0, s1) -> Int32:
+  """S0 + 2**6 S1 (one IMAD): with S0 the word MAGIC + S0, the word MAGIC + T that `_row_update` takes."""
+  return s1 * (1 << abi.DIGIT_BITS) + s0
+
+
+def _row_update(fast: bool, t, s2, xw, scale_word, s: int, acc, pv=None, at: int = 0, p_only: bool = False):
+  """``acc`` after block ``s`` of one (row, token) from the words MAGIC + T (T = S0 + 2**6 S1) and MAGIC + S2 of
+  its plane sums: f32(D) by the magic conversion, then `_scaled_add` (`_stage`; the row's weight scale is byte ``s``
+  of ``scale_word``). With ``pv`` (a `kpair` pass) the block's p goes to ``pv[at]`` too and is added by ``fadd``
+  (the same bits); ``p_only`` (a `kbany` pass, which adds the p in K order at the end): ``acc`` is returned as it
+  is."""
+  tf = v1._fadd(t, MAGIC_NEG)
+  sf = v1._fadd(s2, MAGIC_NEG)
   df = _fma(sf, F32_4096, tf)
   if pv is None:
     return _scaled_add(fast, df, xw, _scale_byte(scale_word, s), acc)
@@ -3538,6 +3546,12 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       xp_off = xp_off + half * (4 * TOKEN_STRIDE)
     magic4 = (Int32(MAGIC), Int32(MAGIC), Int32(MAGIC), Int32(MAGIC))
     zero4 = (Int32(0), Int32(0), Int32(0), Int32(0))
+    # The one-, two- and four-row bodies' MMA pairs start at MAGIC in the even columns (plane 0's, and plane 2's
+    # that the epilogue reads) and at 0 in the odd ones (plane 1's): S0 and S2 come out as the words MAGIC + S, and
+    # MAGIC + T = 64 S1 + (MAGIC + S0) is one IMAD, the same int32 as before (no step of the chains wraps: |S| <
+    # 2**15), so the same bits, two integer adds fewer per block (`GCMOE_ABLATION=unbiased`: the adds, for A/B).
+    biased = self.ablation != "unbiased"
+    c_row = (Int32(MAGIC), Int32(0), Int32(MAGIC), Int32(0)) if biased else zero4
     words = _weight_words(sb, warp, lane)
     tabs = DECODE_TABLES
     if cutlass.const_expr(ctl is not None):
@@ -3598,12 +3612,15 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       for s in cutlass.range_constexpr(v1.SUBS):
         a_pos, a_neg = _split_fragments(words, s, tabs)
         b = _lds2(sb + xp_off + s * BLOCK_BYTES + plane * 32 + 8 * t4)
-        r = _split_mma(a_pos, a_neg, b)
+        r = _split_mma(a_pos, a_neg, b, c_row)
         xw = _lds(sb + xe_off + 4 * s)  # slot 0's exponent word of block s
         s2 = _shfl_xor(cutlass.select_(t4 == 3, r[2], r[0]), 2)  # t4 = 0 <- S2 (row g), t4 = 1 <- S2 (row g + 8)
-        s0 = cutlass.select_(upper, r[2], r[0])
-        s1 = cutlass.select_(upper, r[3], r[1])
-        acc[0] = _row_update(fast, s0, s1, s2, xw, scw_row, s, acc[0], pv, p0 + s, p_only)
+        if cutlass.const_expr(biased):
+          t = cutlass.select_(upper, _digit_pair(r[2], r[3]), _digit_pair(r[0], r[1]))
+        else:
+          t = _digit_pair(cutlass.select_(upper, r[2], r[0]), cutlass.select_(upper, r[3], r[1])) + MAGIC
+          s2 = s2 + MAGIC
+        acc[0] = _row_update(fast, t, s2, xw, scw_row, s, acc[0], pv, p0 + s, p_only)
     elif cutlass.const_expr(single == 2):
       # Columns 0, 1 hold planes 0, 1 of slot 0, columns 2, 3 those of slot 1, 4-5 plane 2 of slot 0 and 6-7 that of
       # slot 1. Each lane of a quad takes one (slot, row): t4 = 0 (0, g), 1 (1, g), 2 (0, g + 8), 3 (1, g + 8); two
@@ -3616,14 +3633,17 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       for s in cutlass.range_constexpr(v1.SUBS):
         a_pos, a_neg = _split_fragments(words, s, tabs)
         b = _lds2(sb + xp_off + col_slot * TOKEN_STRIDE + s * BLOCK_BYTES + plane * 32 + 8 * t4)
-        r = _split_mma(a_pos, a_neg, b)
+        r = _split_mma(a_pos, a_neg, b, c_row)
         xw = _lds(sb + xe_off + (t4 & 1) * 16 + 4 * s)  # this lane's slot's exponent word of block s
         x = _shfl_xor(cutlass.select_(lo, r[2], r[0]), 2)  # t4 < 2 <- S2 (row g); t4 >= 2 <- S0 (row g + 8)
         y = _shfl_xor(r[3], 2)  # t4 >= 2 <- S1 (row g + 8)
-        s0 = cutlass.select_(lo, r[0], x)
-        s1 = cutlass.select_(lo, r[1], y)
         s2 = cutlass.select_(lo, x, r[2])
-        acc[0] = _row_update(fast, s0, s1, s2, xw, scw_row, s, acc[0], pv, p0 + s)
+        if cutlass.const_expr(biased):
+          t = cutlass.select_(lo, _digit_pair(r[0], r[1]), _digit_pair(x, y))
+        else:
+          t = _digit_pair(cutlass.select_(lo, r[0], x), cutlass.select_(lo, r[1], y)) + MAGIC
+          s2 = s2 + MAGIC
+        acc[0] = _row_update(fast, t, s2, xw, scw_row, s, acc[0], pv, p0 + s)
     elif cutlass.const_expr(single == 4):
       # Slots 0-3 (`QUAD_SLOT_COLUMNS`): per block a split-decode MMA pair on X (planes 0, 1) and one on Y (plane 2),
       # after which lane t4 runs the epilogue of (slot t4, row g) into acc[0] and (slot t4, row g + 8) into acc[1]:
@@ -3634,12 +3654,16 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       for s in cutlass.range_constexpr(v1.SUBS):
         a_pos, a_neg = _split_fragments(words, s, tabs)
         b = _lds2(bx + s * BLOCK_BYTES + (g & 1) * 32)
-        x = _split_mma(a_pos, a_neg, b)
+        x = _split_mma(a_pos, a_neg, b, c_row)
         b = _lds2(bx + s * BLOCK_BYTES + 64)
-        y = _split_mma(a_pos, a_neg, b)
+        y = _split_mma(a_pos, a_neg, b, c_row)  # (planes 2 in every column; the even ones', from MAGIC, are read)
         xw = _lds(sb + xe_off + t4 * 16 + 4 * s)  # slot t4's exponent word of block s
-        acc[0] = _row_update(fast, x[0], x[1], y[0], xw, scw[0], s, acc[0])
-        acc[1] = _row_update(fast, x[2], x[3], y[2], xw, scw[1], s, acc[1])
+        for h in cutlass.range_constexpr(2):
+          t = _digit_pair(x[2 * h], x[2 * h + 1])
+          s2 = y[2 * h]
+          if cutlass.const_expr(not biased):
+            t, s2 = t + MAGIC, s2 + MAGIC
+          acc[h] = _row_update(fast, t, s2, xw, scw[h], s, acc[h])
     elif cutlass.const_expr(self.split_decode and nt <= SPLIT_DECODE_NT):
       # Narrow passes, where the decode dominates: the split decode, block by block (8 registers), and twice the
       # MMAs (the tensor pipe is ~10 % busy there). Every accumulator still takes its blocks in increasing K.
