@@ -976,9 +976,10 @@ def test_an_ablation_build_may_spill_more_than_a_normal_one(monkeypatch):
 @pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
 def test_the_row_bodies_start_their_mma_pairs_at_the_epilogue_words(cache, monkeypatch):
   """The one-, two- and four-row bodies' split-decode MMA pairs start at (MAGIC, 0, MAGIC, 0) (`_stage`'s ``c_row``,
-  docs/kernels_v2.md "Row bodies from MAGIC"), so their epilogue adds no MAGIC to the digit sums: two integer adds a
-  block fewer than `GCMOE_ABLATION=unbiased` (the form before, results exact both ways, its own key, roles 1 and 3
-  as they are), with the same MMAs, SMEM loads, shuffles and float operations in number."""
+  docs/kernels_v2.md "The row bodies' MMA pairs from the epilogue's words"), so their epilogue adds no MAGIC to the
+  digit sums: two integer adds a block fewer than `GCMOE_ABLATION=unbiased` (the form before, results exact both
+  ways, its own key, roles 1 and 3 as they are), with the same MMAs, SMEM loads, shuffles and float operations in
+  number."""
   from gcmoe_jax.kernels import roles_v2
   normal, unbiased = _role2_only_ablation("unbiased", cache, monkeypatch, dataclasses.replace(SMALL, capacity=8))
   a, b = _ptx(normal, 2), _ptx(unbiased, 2)
