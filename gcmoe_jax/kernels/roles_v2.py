@@ -681,11 +681,8 @@ def _scaled_p(fast: bool, df, xw, wb):
   return cutlass.select_(xw == abi.NAN_WORD, Int32(v1.F32_QNAN), p)
 
 
-def _split_mma(a_pos, a_neg, b, c=None):
-  """A B + C of a K32 block in the split decode (A = P + N, `_split_fragments`): two chained MMAs from ``c`` (zero
-  when None)."""
-  if c is None:
-    c = (Int32(0), Int32(0), Int32(0), Int32(0))
+def _split_mma(a_pos, a_neg, b, c):
+  """A B + C of a K32 block in the split decode (A = P + N, `_split_fragments`): two chained MMAs from ``c``."""
   return _mma_s8(a_neg, b, _mma_s8(a_pos, b, c))
 
 
