@@ -25,7 +25,7 @@ class Var:
 _ABLATIONS = ("nomath", "nogemm2", "widedecode", "tma", "static", "evenbodies", "timeline", "nosingle", "twoplane",
               "stagebar", "sharedfirst", "routedfirst", "regpull", "onecta", "nofourrow", "stagetest", "kpair",
               "l2ahead", "wearly", "wearly1", "wearlyl2", "shallow", "spin", "bar4", "kbany", "kbany1",
-              "kbanyeager", "trips", "shfree", "unbiased")
+              "kbanyeager", "trips", "shfree", "unbiased", "copyaddr")
 
 
 def _ablation(text: str) -> str:
@@ -156,7 +156,11 @@ VARS = {v.name: v for v in (
                                        "exact, within 1 % at B = 4-16 on the H100 (session 44), for A/B "
                                        "timing; unbiased: the one-, two- and four-row bodies' MMA pairs start "
                                        "at zero and the epilogue adds the magic to each block's digit sums (the "
-                                       "form before session 46), results exact, for A/B timing); "
+                                       "form before session 46), results exact, for A/B timing; copyaddr: "
+                                       "the per-thread producer reads each stage's B-row slots from SMEM and "
+                                       "rebuilds its 64-bit copy addresses (the form before session 47), "
+                                       "results exact, 1.8-4.2 % slower at B = 1-8 on the H100, for A/B "
+                                       "timing); "
                                        "part of the cubin key"),
   Var("GCMOE_WAIT_TIMEOUT_MS", _wait_ms, 2000, "bound of every device spin-wait; expiry becomes a Python exception"),
   Var("GCMOE_FIRST_WAIT_TIMEOUT_MS", _wait_ms, 120_000, "bound of the spin-waits of the first call of the fused "

@@ -993,3 +993,20 @@ def test_the_row_bodies_start_their_mma_pairs_at_the_epilogue_words(cache, monke
   # two-row bodies and two in the four-row body, whose two epilogues add twice
   assert len(re.findall(add_magic, b)) - len(re.findall(add_magic, a)) == 2 * pairs, (pairs,)
   assert unbiased["roles"][1]["spill_bytes"] <= build._ABLATION_SPILL_BUDGET[2]
+
+
+@needs_dsl
+@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
+def test_the_stage_copies_take_their_sources_once_per_pass(cache, monkeypatch):
+  """The per-thread producer's copies take this thread's weight, scale and B-row sources once per pass
+  (`RoleKernelsV2._copy_sources`, docs/kernels_v2.md "The stage copies' sources once per pass") instead of reading
+  the slot table from SMEM and rebuilding the 64-bit addresses at every stage, as `GCMOE_ABLATION=copyaddr` (the form
+  before; its own key, roles 1 and 3 as they are) still does: the same copies, MMAs and float operations, fewer SMEM
+  loads (the slot table's, two per copy site before), and no more local memory."""
+  normal, before = _role2_only_ablation("copyaddr", cache, monkeypatch, dataclasses.replace(SMALL, capacity=8))
+  a, b = _ptx(normal, 2), _ptx(before, 2)
+  for op in ("cp.async.cg.shared.global", "cp.async.ca.shared.global", "mma.sync.aligned.m16n8k32", "fma.rn",
+             "shfl.sync"):
+    assert a.count(op) == b.count(op) > 0, op
+  assert a.count("ld.shared") < b.count("ld.shared")
+  assert normal["roles"][1]["spill_bytes"] <= before["roles"][1]["spill_bytes"]

@@ -3233,10 +3233,13 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     kpair_bar = per_bar if cutlass.const_expr(kpair) else 0  # (`_issue`: stages of two half tiles)
     pbuf = pipe + n_st * st_bytes  # (`kpair`: the warps' p, two sets by barrier step)
     p_set = WARPS // 2 * per_bar * KPAIR_P_BYTES
+    src = None
+    if cutlass.const_expr(not kpair and self.ablation != "copyaddr"):
+      src = self._copy_sources(pw_e, psc_e, row0, kb_n, n_copy, ctl)
     for s in cutlass.range_constexpr(n_st - per_bar):
       if s < n_kb:
         self._issue(s, pipe + s * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl, n_copy,
-                    kpair_bar, None if cutlass.const_expr(pre is None) else 1 - pre)
+                    kpair_bar, None if cutlass.const_expr(pre is None) else 1 - pre, src)
       _commit()
     for kq in range(n_kb // per_bar):
       kb = kq * per_bar
@@ -3249,7 +3252,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         nk = kb + n_st - per_bar + q
         if nk < n_kb:
           self._issue(nk, pipe + (nk % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes,
-                      exps, ctl, n_copy, kpair_bar)
+                      exps, ctl, n_copy, kpair_bar, src=src)
         _commit()
       p_out = pbuf + (kq % 2) * p_set if cutlass.const_expr(kpair) else None
       if cutlass.const_expr(per_bar % 2 == 0 and self.pair_test):
@@ -3711,36 +3714,68 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   @cute.jit
   def _issue(self, kb: Int32, sb: Int32, slots: cutlass.Constexpr, pw_e: Int64, psc_e: Int64, row0: Int32,
              n_rows: cutlass.Constexpr, kb_n: cutlass.Constexpr, nblk: cutlass.Constexpr, planes: Int64,
-             exps: Int64, ctl: Int32, n_copy: cutlass.Constexpr = -1, per_bar: cutlass.Constexpr = 0, w_on=None):
+             exps: Int64, ctl: Int32, n_copy: cutlass.Constexpr = -1, per_bar: cutlass.Constexpr = 0, w_on=None,
+             src=None):
     """cp.async of K128 block ``kb`` into the stage at ``sb``: weights (swizzled), scales, B planes, exponents (of the
-    first ``n_copy`` slots of the stage's ``slots``; -1: all).
+    first ``n_copy`` slots of the stage's ``slots``; -1: all). ``src``: this thread's sources from
+    `_copy_sources`, taken once per pass.
 
     ``per_bar`` > 0 (a `kpair` pass, its stages meeting at a barrier every ``per_bar``): ``kb`` is a stage of two
     half tiles, rows row0 .. row0 + 63 of K128 tile `kpair_tile` (kb, 0) as the stage's rows 0-63 and B slots 0 ..
     n_copy - 1, of tile (kb, 1) as rows 64-127 and slots 4 .. 3 + n_copy. ``w_on`` (an Int32, `w_early`): 0 leaves
     the weights and scales out, `_issue_w` copied them before the item's wait."""
+    w_src = None if cutlass.const_expr(src is None) else src[:-1]
+    x_rows = None if cutlass.const_expr(src is None) else src[-1]
     if cutlass.const_expr(w_on is None):
-      self._issue_w(kb, sb, pw_e, psc_e, row0, n_rows, kb_n, per_bar)
+      self._issue_w(kb, sb, pw_e, psc_e, row0, n_rows, kb_n, per_bar, w_src)
     else:
       if w_on != 0:
-        self._issue_w(kb, sb, pw_e, psc_e, row0, n_rows, kb_n, per_bar)
-    self._issue_x(kb, sb, slots, nblk, planes, exps, ctl, n_copy, per_bar)
+        self._issue_w(kb, sb, pw_e, psc_e, row0, n_rows, kb_n, per_bar, w_src)
+    self._issue_x(kb, sb, slots, nblk, planes, exps, ctl, n_copy, per_bar, x_rows)
+
+  @cute.jit
+  def _copy_sources(self, pw_e: Int64, psc_e: Int64, row0: Int32, kb_n: cutlass.Constexpr, n_copy: cutlass.Constexpr,
+                    ctl: Int32):
+    """This thread's copy sources for a pass's stages (`_issue`, a pass that is not `kpair`'s): the global addresses
+    of its weight chunks and scale word at K128 block 0 (a stage adds kb times their stride), and the B rows of the
+    slots whose exponent chunk and plane chunk it copies (None where a stage's plane chunks take more than one per
+    thread). The stage loop otherwise rebuilt each 64-bit address from the pass's row offsets and read the slot's
+    row back from SMEM behind the stage's weight copies (LDGSTS write SMEM, so the read waits for them in order):
+    Nsight Compute put 22 % of the one-row GEMM1 loop's samples on those B copies (docs/kernels_v2.md)."""
+    tid, _, _ = cute.arch.thread_idx()
+    w = []
+    for i in cutlass.range_constexpr(W_BYTES // 16 // THREADS):
+      c = tid + i * THREADS
+      w.append(pw_e + Int64(row0 + c // 4) * v1.FP4_TILE_BYTES + (c % 4) * 16)
+    sc = psc_e + Int64(row0 + cutlass.min(tid, TILE_M - 1)) * (kb_n * v1.WORD_BYTES)
+    x_rows = None
+    per_slot = 8 if self.qmma else 4 * BLOCK_BYTES // 16
+    if cutlass.const_expr(n_copy * per_slot <= THREADS):
+      # (clamped slot indices: a thread past the copies reads a valid word it never uses, without a branch)
+      x_rows = (_lds(ctl + CTL_SLOT_SRC + cutlass.min(tid, n_copy - 1) * 4),
+                _lds(ctl + CTL_SLOT_SRC + cutlass.min(tid // per_slot, n_copy - 1) * 4))
+    return (*w, sc, x_rows)
 
   @cute.jit
   def _issue_w(self, kb: Int32, sb: Int32, pw_e: Int64, psc_e: Int64, row0: Int32, n_rows: cutlass.Constexpr,
-               kb_n: cutlass.Constexpr, per_bar: cutlass.Constexpr = 0):
-    """`_issue`'s weights and scale words: what a stage holds that the call's activations do not decide."""
+               kb_n: cutlass.Constexpr, per_bar: cutlass.Constexpr = 0, w_src=None):
+    """`_issue`'s weights and scale words: what a stage holds that the call's activations do not decide. ``w_src``:
+    the chunks' and scale word's addresses at block 0 (`_copy_sources`)."""
     tid, _, _ = cute.arch.thread_idx()
     halves = 2 if cutlass.const_expr(per_bar) else 1
     rows = TILE_M // halves
     assert not (per_bar and self.qmma)
+    assert w_src is None or not per_bar
     for i in cutlass.range_constexpr(W_BYTES // 16 // THREADS):
       c = tid + i * THREADS
       row = c // 4
       col = c % 4
       # (row // rows == i: THREADS / 4 rows per pass of this loop)
       src_row = row % rows if cutlass.const_expr(per_bar) else row
-      src = pw_e + (Int64(_stage_tile(kb, i, per_bar)) * n_rows + row0 + src_row) * v1.FP4_TILE_BYTES + col * 16
+      if cutlass.const_expr(w_src is not None):
+        src = w_src[i] + Int64(kb) * (n_rows * v1.FP4_TILE_BYTES)
+      else:
+        src = pw_e + (Int64(_stage_tile(kb, i, per_bar)) * n_rows + row0 + src_row) * v1.FP4_TILE_BYTES + col * 16
       if cutlass.const_expr(self.l2ahead):
         _cp16_first(sb + row * 64 + ((col ^ ((row // 2) % 4)) << 4), src, Int32(16))
       else:
@@ -3749,13 +3784,16 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       if cutlass.const_expr(per_bar):
         _cp4(sb + W_BYTES + tid * 4,
              psc_e + (Int64(row0 + tid % rows) * kb_n + _stage_tile(kb, tid // rows, per_bar)) * v1.WORD_BYTES)
+      elif cutlass.const_expr(w_src is not None):
+        _cp4(sb + W_BYTES + tid * 4, w_src[-1] + Int64(kb) * v1.WORD_BYTES)
       else:
         _cp4(sb + W_BYTES + tid * 4, psc_e + (Int64(row0 + tid) * kb_n + kb) * v1.WORD_BYTES)
 
   @cute.jit
   def _issue_x(self, kb: Int32, sb: Int32, slots: cutlass.Constexpr, nblk: cutlass.Constexpr, planes: Int64,
-               exps: Int64, ctl: Int32, n_copy: cutlass.Constexpr = -1, per_bar: cutlass.Constexpr = 0):
-    """`_issue`'s B side: the exponent chunks and the digit planes of the slots' rows."""
+               exps: Int64, ctl: Int32, n_copy: cutlass.Constexpr = -1, per_bar: cutlass.Constexpr = 0, x_rows=None):
+    """`_issue`'s B side: the exponent chunks and the digit planes of the slots' rows (``x_rows``: this thread's
+    exponent and plane chunks' rows, `_copy_sources`; None: read from the slot table here)."""
     tid, _, _ = cute.arch.thread_idx()
     n_copy = slots if cutlass.const_expr(n_copy < 0) else n_copy
     halves = 2 if cutlass.const_expr(per_bar) else 1
@@ -3766,7 +3804,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       if cutlass.const_expr(per_bar):
         half, slot = tid // n_copy, tid % n_copy
         at = 4 * half + slot
-      src_row = _lds(ctl + CTL_SLOT_SRC + slot * 4)
+      src_row = _lds(ctl + CTL_SLOT_SRC + slot * 4) if cutlass.const_expr(x_rows is None) else x_rows[0]
       if cutlass.const_expr(self.qmma):
         # One packed UE8M0 word per slot (a padding slot's is never read: its accumulators are dropped).
         if src_row >= 0:
@@ -3788,7 +3826,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         if cutlass.const_expr(per_bar):
           half, slot = slot // n_copy, slot % n_copy
           at = 4 * half + slot
-        src_row = _lds(ctl + CTL_SLOT_SRC + slot * 4)
+        src_row = _lds(ctl + CTL_SLOT_SRC + slot * 4) if cutlass.const_expr(x_rows is None) else x_rows[1]
         dst = sb + xp_off + at * self.token_stride + qq * 16
         if cutlass.const_expr(self.qmma):
           src = planes + (Int64(cutlass.max(src_row, 0)) * nblk + 4 * kb + qq // 2) * BLOCK_BYTES + (qq % 2) * 16
