@@ -25,7 +25,8 @@ class Var:
 _ABLATIONS = ("nomath", "nogemm2", "widedecode", "tma", "static", "evenbodies", "timeline", "nosingle", "twoplane",
               "stagebar", "sharedfirst", "routedfirst", "regpull", "onecta", "nofourrow", "stagetest", "kpair",
               "l2ahead", "wearly", "wearly1", "wearlyl2", "shallow", "spin", "bar4", "kbany", "kbany1",
-              "kbanyeager", "trips", "shfree", "unbiased", "copyaddr")
+              "kbanyeager", "trips", "shfree", "unbiased", "copyaddr",
+              "scalelate")
 
 
 def _ablation(text: str) -> str:
@@ -160,6 +161,8 @@ VARS = {v.name: v for v in (
                                        "the per-thread producer reads each stage's B-row slots from SMEM and "
                                        "rebuilds its 64-bit copy addresses (the form before session 47), "
                                        "results exact, 1.8-4.2 % slower at B = 1-8 on the H100, for A/B "
+                                       "timing; scalelate: the paired stages' scale words loaded after the "
+                                       "step's copies (the form before session 47), results exact, for A/B "
                                        "timing); "
                                        "part of the cubin key"),
   Var("GCMOE_WAIT_TIMEOUT_MS", _wait_ms, 2000, "bound of every device spin-wait; expiry becomes a Python exception"),

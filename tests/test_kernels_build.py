@@ -1010,3 +1010,26 @@ def test_the_stage_copies_take_their_sources_once_per_pass(cache, monkeypatch):
     assert a.count(op) == b.count(op) > 0, op
   assert a.count("ld.shared") < b.count("ld.shared")
   assert normal["roles"][1]["spill_bytes"] <= before["roles"][1]["spill_bytes"]
+
+
+def _loads_before_copies(ptx: str) -> list[int]:
+  """Per CTA barrier of a PTX text: the SMEM loads between it and the next cp.async (the copies that follow it)."""
+  out = []
+  for part in re.split(r"\bbar\.sync\b", ptx)[1:]:
+    head = part.split("cp.async.", 1)[0] if "cp.async." in part else ""
+    out.append(head.count("ld.shared"))
+  return out
+
+
+@needs_dsl
+@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
+def test_the_paired_steps_load_their_scale_words_before_their_copies(cache, monkeypatch):
+  """A barrier step of the paired stages loads its stages' scale words right after the barrier, before its copies
+  (docs/kernels_v2.md "Where the warps wait, per instruction"), where `GCMOE_ABLATION=scalelate` (the form before; its
+  own key, roles 1 and 3 as they are) loads them after the copies: the same loads, copies and MMAs, moved."""
+  normal, late = _role2_only_ablation("scalelate", cache, monkeypatch, dataclasses.replace(SMALL, capacity=8))
+  a, b = _ptx(normal, 2), _ptx(late, 2)
+  for op in ("ld.shared", "cp.async.", "mma.sync.aligned.m16n8k32", "bar.sync"):
+    assert a.count(op) == b.count(op) > 0, op
+  # (four words: rows g and g + 8 of both stages of a step)
+  assert sum(n >= 4 for n in _loads_before_copies(a)) > sum(n >= 4 for n in _loads_before_copies(b))

@@ -3248,6 +3248,13 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       if cutlass.const_expr(kpair):
         if kq > 0:
           self._kpair_add(acc, pbuf + ((kq - 1) % 2) * p_set, per_bar)
+      # This step's scale words before its copies: the copies write SMEM, so ptxas keeps a load after them in program
+      # order, and there it waited behind the MIO queue they fill (`GCMOE_ABLATION=scalelate`: the form before). Only
+      # where the step's stages take one fast-path test (`pair_test`): in the shared-expert variants the words held
+      # across the copies cost ptxas 92 B of spills at the two-CTA cap (GLM5.2 T8).
+      scws = None
+      if cutlass.const_expr(self.ablation != "scalelate" and per_bar % 2 == 0 and self.pair_test):
+        scws = tuple(self._scale_words(pipe + ((kb + q) % n_st) * st_bytes) for q in range(per_bar))
       for q in cutlass.range_constexpr(per_bar):
         nk = kb + n_st - per_bar + q
         if nk < n_kb:
@@ -3258,11 +3265,12 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       if cutlass.const_expr(per_bar % 2 == 0 and self.pair_test):
         for q2 in cutlass.range_constexpr(0, per_bar, 2):  # (`bar4`: two pairs between barriers)
           self._compute(nt, (pipe + ((kb + q2) % n_st) * st_bytes, pipe + ((kb + q2 + 1) % n_st) * st_bytes),
-                        rows_fast, acc, single, tabs, pair, p_out, q2, per_bar)
+                        rows_fast, acc, single, tabs, pair, p_out, q2, per_bar,
+                        None if cutlass.const_expr(scws is None) else scws[q2:q2 + 2])
       else:
         for q in cutlass.range_constexpr(per_bar):
           self._compute(nt, (pipe + ((kb + q) % n_st) * st_bytes,), rows_fast, acc, single, tabs, pair, p_out, q,
-                        per_bar)
+                        per_bar, None if cutlass.const_expr(scws is None) else scws[q:q + 1])
     _wait_group(0)
     cute.arch.sync_threads()  # the pipeline area is free: the epilogue reuses it
     if cutlass.const_expr(kpair):
@@ -3447,10 +3455,15 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         for s in cutlass.range_constexpr(v1.SUBS):
           acc[0] = v1._fadd(acc[0], p[s])
 
+  def _scale_words(self, sb: Int32):
+    """This thread's rows' (g and g + 8 of its warp's 16) scale words of the stage at ``sb``."""
+    warp, _, g, _ = _lanes()
+    return (_lds(sb + self.w_bytes + (16 * warp + g) * 4), _lds(sb + self.w_bytes + (16 * warp + g + 8) * 4))
+
   @cute.jit
   def _compute(self, nt: cutlass.Constexpr, sbs, rows_fast: Int32, acc: cute.Tensor,
                single: cutlass.Constexpr = False, ctl=None, pair=None, p_out=None, r0: cutlass.Constexpr = 0,
-               per_bar: cutlass.Constexpr = 1):
+               per_bar: cutlass.Constexpr = 1, scws=None):
     """The MMAs of the stages at ``sbs`` (one, or the two between paired barriers with `pair_test`): this thread's
     rows' scale words, then the fast or the slow path of `_stage` (``pair`` 2 or 4: its two- or four-row body), the
     fast one only where every thread of the warp may take it.
@@ -3458,10 +3471,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     `_stage`) and one choice of body, so that both bodies lie in one basic block and ptxas may overlap the second
     stage's loads, decode and MMAs with the first's epilogue.
     ``p_out`` (a `kpair` pass): the set of p of this barrier step, where warp w >= 4 stores its blocks' p of stage
-    r0 + r of the step (`_kpair_p`)."""
+    r0 + r of the step (`_kpair_p`). ``scws``: the stages' `_scale_words`, where the caller loaded them already."""
     warp, lane, g, t4 = _lanes()
-    scws = tuple((_lds(sb + self.w_bytes + (16 * warp + g) * 4), _lds(sb + self.w_bytes + (16 * warp + g + 8) * 4))
-                 for sb in sbs)
+    if cutlass.const_expr(scws is None):
+      scws = tuple(self._scale_words(sb) for sb in sbs)
     pv = None
     if cutlass.const_expr(p_out is not None):
       pv = cute.make_rmem_tensor(v1.SUBS * len(sbs), Int32)
