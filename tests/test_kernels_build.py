@@ -999,7 +999,7 @@ def test_the_row_bodies_start_their_mma_pairs_at_the_epilogue_words(cache, monke
 @pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
 def test_the_stage_copies_take_their_sources_once_per_pass(cache, monkeypatch):
   """The per-thread producer's copies take this thread's weight, scale and B-row sources once per pass
-  (`RoleKernelsV2._copy_sources`, docs/kernels_v2.md "The stage copies' sources once per pass") instead of reading
+  (`RoleKernelsV2._copy_sources`, docs/kernels_v2.md "Where the warps wait, per instruction") instead of reading
   the slot table from SMEM and rebuilding the 64-bit addresses at every stage, as `GCMOE_ABLATION=copyaddr` (the form
   before; its own key, roles 1 and 3 as they are) still does: the same copies, MMAs and float operations, fewer SMEM
   loads (the slot table's, two per copy site before), and no more local memory."""
