@@ -1033,3 +1033,19 @@ def test_the_paired_steps_load_their_scale_words_before_their_copies(cache, monk
     assert a.count(op) == b.count(op) > 0, op
   # (four words: rows g and g + 8 of both stages of a step)
   assert sum(n >= 4 for n in _loads_before_copies(a)) > sum(n >= 4 for n in _loads_before_copies(b))
+
+
+@needs_dsl
+@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
+def test_the_copyblock_build_tests_a_steps_copies_once(cache, monkeypatch):
+  """GCMOE_ABLATION=copyblock (timing, results exact: docs/kernels_v2.md "What is left", session 47): a paired step
+  whose stages are all in range or all past the K loop issues their copies under one test, so they lie in one basic
+  block; its own key, roles 1 and 3 as they are, the same copies and MMAs, and a step's commits in both arms of its
+  one test (where each stage's commit followed its own test)."""
+  # (GLM5.2's capacity-8 variant: the small shape's pipeline depth is odd, where the ablation changes nothing)
+  normal, block = _role2_only_ablation("copyblock", cache, monkeypatch, Variant(6144, 2048, 32, 8, 8))
+  a, b = _ptx(normal, 2), _ptx(block, 2)
+  for op in ("cp.async.cg.shared.global", "cp.async.ca.shared.global", "mma.sync.aligned.m16n8k32", "ld.shared"):
+    assert a.count(op) == b.count(op) > 0, op
+  assert b.count("cp.async.commit_group") > a.count("cp.async.commit_group")
+  assert block["roles"][1]["spill_bytes"] <= build._ABLATION_SPILL_BUDGET[2]
