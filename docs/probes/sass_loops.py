@@ -21,6 +21,11 @@ _INSTR = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);")
 _TARGET = re.compile(r"(0x[0-9a-f]+)\s*$")
 
 
+def nested_in(loop: tuple[int, int], loops) -> list[tuple[int, int]]:
+  """The loops of ``loops`` (start, end) that lie inside ``loop``, other than itself."""
+  return [o for o in loops if loop[0] <= o[0] and o[1] <= loop[1] and o != loop]
+
+
 def innermost_loops(sass: str, mma_level: bool = False) -> list[dict]:
   """The innermost loops of the SASS text of one kernel: start and end address, instructions, MMAs, local accesses.
   ``mma_level``: instead, the loops with MMAs none of whose nested loops has any (a K loop with a bounded poll
@@ -37,10 +42,9 @@ def innermost_loops(sass: str, mma_level: bool = False) -> list[dict]:
     body = [t for a, t in ins if lo <= a <= hi]
     stats[lo, hi] = {"start": lo, "end": hi, "instructions": len(body), "mma": sum("MMA" in t for t in body),
                      "local": sum(bool(re.search(r"\b(LDL|STL)", t)) for t in body)}
-  nested = lambda lo, hi: [(a, b) for a, b in loops if lo <= a and b <= hi and (a, b) != (lo, hi)]  # noqa: E731
   if mma_level:
-    return [stats[lp] for lp in loops if stats[lp]["mma"] and not any(stats[n]["mma"] for n in nested(*lp))]
-  return [stats[lp] for lp in loops if not nested(*lp)]
+    return [stats[lp] for lp in loops if stats[lp]["mma"] and not any(stats[n]["mma"] for n in nested_in(lp, loops))]
+  return [stats[lp] for lp in loops if not nested_in(lp, loops)]
 
 
 def main(argv: list[str]) -> int:

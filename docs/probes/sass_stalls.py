@@ -16,6 +16,8 @@ import csv
 import re
 import sys
 
+from sass_loops import nested_in  # (this folder: run as a script, or with it on sys.path)
+
 _TARGET = re.compile(r"(0x[0-9a-f]+)\s*$")
 
 
@@ -47,7 +49,7 @@ def read(path: str) -> tuple[list[str], list[dict]]:
 def loops(rows: list[dict]) -> list[tuple[int, int]]:
   """The innermost backward-branch ranges (start, end) of the kernel."""
   found = {(r["target"], r["addr"]) for r in rows if r["target"] is not None and 0 <= r["target"] < r["addr"]}
-  return [lp for lp in sorted(found) if not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1] for o in found)]
+  return [lp for lp in sorted(found) if not nested_in(lp, found)]
 
 
 def share(rows: list[dict], reasons: list[str]) -> str:

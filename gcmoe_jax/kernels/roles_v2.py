@@ -3751,8 +3751,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     half tiles, rows row0 .. row0 + 63 of K128 tile `kpair_tile` (kb, 0) as the stage's rows 0-63 and B slots 0 ..
     n_copy - 1, of tile (kb, 1) as rows 64-127 and slots 4 .. 3 + n_copy. ``w_on`` (an Int32, `w_early`): 0 leaves
     the weights and scales out, `_issue_w` copied them before the item's wait."""
-    w_src = None if cutlass.const_expr(src is None) else src[:-1]
-    x_rows = None if cutlass.const_expr(src is None) else src[-1]
+    w_src, x_rows = (None, None) if cutlass.const_expr(src is None) else src
     if cutlass.const_expr(w_on is None):
       self._issue_w(kb, sb, pw_e, psc_e, row0, n_rows, kb_n, per_bar, w_src)
     else:
@@ -3763,12 +3762,13 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   @cute.jit
   def _copy_sources(self, pw_e: Int64, psc_e: Int64, row0: Int32, kb_n: cutlass.Constexpr, n_copy: cutlass.Constexpr,
                     ctl: Int32):
-    """This thread's copy sources for a pass's stages (`_issue`, a pass that is not `kpair`'s): the global addresses
-    of its weight chunks and scale word at K128 block 0 (a stage adds kb times their stride), and the B rows of the
-    slots whose exponent chunk and plane chunk it copies (None where a stage's plane chunks take more than one per
-    thread). The stage loop otherwise rebuilt each 64-bit address from the pass's row offsets and read the slot's
-    row back from SMEM behind the stage's weight copies (LDGSTS write SMEM, so the read waits for them in order):
-    Nsight Compute put 22 % of the one-row GEMM1 loop's samples on those B copies (docs/kernels_v2.md)."""
+    """This thread's copy sources for a pass's stages (`_issue`, a pass that is not `kpair`'s), as (`_issue_w`'s,
+    `_issue_x`'s): ((the global addresses of its weight chunks, of its scale word) at K128 block 0, to which a stage
+    adds kb times their stride), and the B rows of the slots whose exponent chunk and plane chunk it copies (None
+    where a stage's plane chunks take more than one per thread). The stage loop otherwise rebuilt each 64-bit
+    address from the pass's row offsets and read the slot's row back from SMEM behind the stage's weight copies
+    (LDGSTS write SMEM, so the read waits for them in order): Nsight Compute put 22 % of the one-row GEMM1 loop's
+    samples on those B copies (docs/kernels_v2.md)."""
     tid, _, _ = cute.arch.thread_idx()
     w = []
     for i in cutlass.range_constexpr(W_BYTES // 16 // THREADS):
@@ -3781,13 +3781,13 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       # (clamped slot indices: a thread past the copies reads a valid word it never uses, without a branch)
       x_rows = (_lds(ctl + CTL_SLOT_SRC + cutlass.min(tid, n_copy - 1) * 4),
                 _lds(ctl + CTL_SLOT_SRC + cutlass.min(tid // per_slot, n_copy - 1) * 4))
-    return (*w, sc, x_rows)
+    return (tuple(w), sc), x_rows
 
   @cute.jit
   def _issue_w(self, kb: Int32, sb: Int32, pw_e: Int64, psc_e: Int64, row0: Int32, n_rows: cutlass.Constexpr,
                kb_n: cutlass.Constexpr, per_bar: cutlass.Constexpr = 0, w_src=None):
     """`_issue`'s weights and scale words: what a stage holds that the call's activations do not decide. ``w_src``:
-    the chunks' and scale word's addresses at block 0 (`_copy_sources`)."""
+    (the chunks' addresses, the scale word's) at block 0 (`_copy_sources`)."""
     tid, _, _ = cute.arch.thread_idx()
     halves = 2 if cutlass.const_expr(per_bar) else 1
     rows = TILE_M // halves
@@ -3800,7 +3800,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       # (row // rows == i: THREADS / 4 rows per pass of this loop)
       src_row = row % rows if cutlass.const_expr(per_bar) else row
       if cutlass.const_expr(w_src is not None):
-        src = w_src[i] + Int64(kb) * (n_rows * v1.FP4_TILE_BYTES)
+        src = w_src[0][i] + Int64(kb) * (n_rows * v1.FP4_TILE_BYTES)
       else:
         src = pw_e + (Int64(_stage_tile(kb, i, per_bar)) * n_rows + row0 + src_row) * v1.FP4_TILE_BYTES + col * 16
       if cutlass.const_expr(self.l2ahead):
@@ -3812,7 +3812,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         _cp4(sb + W_BYTES + tid * 4,
              psc_e + (Int64(row0 + tid % rows) * kb_n + _stage_tile(kb, tid // rows, per_bar)) * v1.WORD_BYTES)
       elif cutlass.const_expr(w_src is not None):
-        _cp4(sb + W_BYTES + tid * 4, w_src[-1] + Int64(kb) * v1.WORD_BYTES)
+        _cp4(sb + W_BYTES + tid * 4, w_src[1] + Int64(kb) * v1.WORD_BYTES)
       else:
         _cp4(sb + W_BYTES + tid * 4, psc_e + (Int64(row0 + tid) * kb_n + kb) * v1.WORD_BYTES)
 
