@@ -1037,15 +1037,16 @@ def test_the_paired_steps_load_their_scale_words_before_their_copies(cache, monk
 
 @needs_dsl
 @pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
-def test_the_copyblock_build_tests_a_steps_copies_once(cache, monkeypatch):
-  """GCMOE_ABLATION=copyblock (timing, results exact: docs/kernels_v2.md "What is left", session 47): a paired step
-  whose stages are all in range or all past the K loop issues their copies under one test, so they lie in one basic
-  block; its own key, roles 1 and 3 as they are, the same copies and MMAs, and a step's commits in both arms of its
-  one test (where each stage's commit followed its own test)."""
-  # (GLM5.2's capacity-8 variant: the small shape's pipeline depth is odd, where the ablation changes nothing)
-  normal, block = _role2_only_ablation("copyblock", cache, monkeypatch, Variant(6144, 2048, 32, 8, 8))
-  a, b = _ptx(normal, 2), _ptx(block, 2)
+def test_a_paired_steps_copies_take_one_range_test(cache, monkeypatch):
+  """A paired step of a routed variant whose stages are all in range or all past the K loop issues their copies
+  under one test, so that they lie in one basic block (docs/kernels_v2.md "Where the warps wait, per instruction",
+  session 48), where `GCMOE_ABLATION=copystep` (the form before; its own key, roles 1 and 3 as they are) tests each
+  stage's range before its copies: the same copies, SMEM loads and MMAs, a step's commits in both arms of its one
+  test, and no more local memory than the budget."""
+  # (GLM5.2's capacity-8 variant: the small shape's pipeline depth is odd, where both forms are the same code)
+  normal, step = _role2_only_ablation("copystep", cache, monkeypatch, Variant(6144, 2048, 32, 8, 8))
+  a, b = _ptx(normal, 2), _ptx(step, 2)
   for op in ("cp.async.cg.shared.global", "cp.async.ca.shared.global", "mma.sync.aligned.m16n8k32", "ld.shared"):
     assert a.count(op) == b.count(op) > 0, op
-  assert b.count("cp.async.commit_group") > a.count("cp.async.commit_group")
-  assert block["roles"][1]["spill_bytes"] <= build._ABLATION_SPILL_BUDGET[2]
+  assert a.count("cp.async.commit_group") > b.count("cp.async.commit_group")
+  assert normal["roles"][1]["spill_bytes"] <= build._SPILL_BUDGET[2]
