@@ -508,6 +508,18 @@ def test_fused_roles_synchronise_at_system_scope(cache):
 
 
 @needs_dsl
+def test_the_fused_shared_expert_variant_builds_within_its_spill_budget(cache):
+  """`--preset fused`'s variant with a shared expert (tests/test_fused.py's `test_shared_expert_on_virtual_ranks`)
+  builds: its role 2 carries the transport's and the shared expert's state at the two-CTA cap and spills more than
+  the local variants may (`build._FUSED_SHARED_SPILL_BUDGET`, where the preset's build stopped before session 48),
+  none of it in a stage loop (docs/probes/sass_loops.py)."""
+  meta = build.compile_variant("sm_90a", Variant(512, 256, 4, 4, 16, 256, 128, ranks=2), cache_dir=cache)
+  role2 = meta["roles"][1]
+  assert role2["ctas_per_sm"] == 2
+  assert role2["spill_bytes"] <= build._FUSED_SHARED_SPILL_BUDGET[2]
+
+
+@needs_dsl
 def test_fused_role1_pulls_rows_in_batches_over_several_ctas_per_sm(cache):
   """Where the pull engine does not apply (H = 640: its H / 32 scale bytes are no multiple of 16 B), role 1 of the
   fused transport issues a lane's 16-byte peer loads of a row before their stores (the register-batched pull path;
