@@ -1051,7 +1051,7 @@ def test_the_paired_steps_load_their_scale_words_before_their_copies(cache, monk
 @pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
 def test_a_paired_steps_copies_take_one_range_test(cache, monkeypatch):
   """A paired step of a routed variant whose stages are all in range or all past the K loop issues their copies
-  under one test, so that they lie in one basic block (docs/kernels_v2.md "Where the warps wait, per instruction",
+  under one test, so that they lie in one basic block (docs/kernels_v2.md "A step's copies in one block",
   session 48), where `GCMOE_ABLATION=copystep` (the form before; its own key, roles 1 and 3 as they are) tests each
   stage's range before its copies: the same copies, SMEM loads and MMAs, a step's commits in both arms of its one
   test, and no more local memory than the budget."""
