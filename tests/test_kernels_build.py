@@ -1047,6 +1047,29 @@ def test_the_paired_steps_load_their_scale_words_before_their_copies(cache, monk
   assert sum(n >= 4 for n in _loads_before_copies(a)) > sum(n >= 4 for n in _loads_before_copies(b))
 
 
+def _copies_between_mmas(ptx: str) -> int:
+  """The CTA barrier steps of a PTX text whose weight copies (cp.async.cg) lie between two of their MMAs."""
+  out = 0
+  for part in re.split(r"\bbar\.sync\b", ptx)[1:]:
+    first, last = part.find("mma.sync"), part.rfind("mma.sync")
+    out += 0 <= first < last and "cp.async.cg.shared.global" in part[first:last]
+  return out
+
+
+@needs_dsl
+@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
+def test_the_copymid_build_issues_a_steps_second_weights_between_its_stages(cache, monkeypatch):
+  """GCMOE_ABLATION=copymid (timing, exact by construction: docs/kernels_v2.md "A step's copies in one block"): a
+  paired step's second stage takes its weight copies between the step's two stages, zero-filling without a branch
+  past the K loop (`_issue_mid`), where the normal build issues every copy of a step before its MMAs; its own key,
+  roles 1 and 3 as they are, the same scale-word copies, and no more local memory than the budget."""
+  normal, mid = _role2_only_ablation("copymid", cache, monkeypatch, Variant(6144, 2048, 32, 8, 8))
+  a, b = _ptx(normal, 2), _ptx(mid, 2)
+  assert _copies_between_mmas(a) == 0 < _copies_between_mmas(b)
+  assert a.count("cp.async.ca.shared.global") == b.count("cp.async.ca.shared.global") > 0
+  assert mid["roles"][1]["spill_bytes"] <= build._SPILL_BUDGET[2]
+
+
 @needs_dsl
 @pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
 def test_a_paired_steps_copies_take_one_range_test(cache, monkeypatch):

@@ -955,6 +955,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # A paired step's copies under one range test (session 48: routed, 0.0-1.7 % faster at B = 1-8 on the H100; with
     # the shared expert within +-0.7 %, so those builds stay as they were). `GCMOE_ABLATION=copystep`: the form before.
     self.copy_block = not v.shared and self.ablation != "copystep"
+    # `GCMOE_ABLATION=copymid` (timing, exact by construction, routed variants with `copy_block`): a step's second stage
+    # takes its weight copies between the step's two stages instead of before them, so the step's LDGSTS reach the MIO
+    # queue in two bursts (docs/kernels_v2.md "A step's copies in one block").
+    self.copy_mid = self.copy_block and self.pair_test and self.ablation == "copymid"
     # GEMM2 items of 64 rows with K split between warp pairs at calls of up to `KPAIR_TOKENS` tokens (each expert up
     # to that many rows: the one- and two-row bodies): `GCMOE_ABLATION=kpair`, built to be checked and timed on a
     # GPU (docs/kernels_v2.md "Item balance"; its results should be exact). The routed variants of 16-row passes
@@ -3258,7 +3262,22 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       scws = None
       if cutlass.const_expr(self.ablation != "scalelate" and per_bar % 2 == 0 and self.pair_test):
         scws = tuple(self._scale_words(pipe + ((kb + q) % n_st) * st_bytes) for q in range(per_bar))
-      if cutlass.const_expr(self.copy_block and per_bar > 1 and n_st % per_bar == 0 and n_kb % per_bar == 0):
+      mid = None
+      if cutlass.const_expr(self.copy_mid and per_bar == 2 and n_st % per_bar == 0 and n_kb % per_bar == 0):
+        # (timing: the step's copies but the second stage's weights before its compute, those between its two
+        # stages, `_stages`; the step's two commit groups are waited for together, so how its copies split between
+        # them does not matter)
+        nk = kb + n_st - per_bar
+        live = nk < n_kb
+        if live:
+          self._issue(nk, pipe + (nk % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes,
+                      exps, ctl, n_copy, kpair_bar, src=src)
+          self._issue(nk + 1, pipe + ((nk + 1) % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk,
+                      planes, exps, ctl, n_copy, kpair_bar, src=src, parts="x")
+        _commit()
+        mid = (nk + 1, pipe + ((nk + 1) % n_st) * st_bytes, pw_e, row0, n_rows, kb_n, src,
+               cutlass.select_(live, Int32(16), Int32(0)))
+      elif cutlass.const_expr(self.copy_block and per_bar > 1 and n_st % per_bar == 0 and n_kb % per_bar == 0):
         # The step's stages are all in range or all past the K loop, so one test covers their copies, which then lie
         # in one basic block: ptxas builds the shared window's base once for them (S2R SR_CgaCtaId, one per stage
         # before) and the second stage's addresses in other registers than the first's.
@@ -3283,7 +3302,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         for q2 in cutlass.range_constexpr(0, per_bar, 2):  # (`bar4`: two pairs between barriers)
           self._compute(nt, (pipe + ((kb + q2) % n_st) * st_bytes, pipe + ((kb + q2 + 1) % n_st) * st_bytes),
                         rows_fast, acc, single, tabs, pair, p_out, q2, per_bar,
-                        None if cutlass.const_expr(scws is None) else scws[q2:q2 + 2])
+                        None if cutlass.const_expr(scws is None) else scws[q2:q2 + 2], mid)
       else:
         for q in cutlass.range_constexpr(per_bar):
           self._compute(nt, (pipe + ((kb + q) % n_st) * st_bytes,), rows_fast, acc, single, tabs, pair, p_out, q,
@@ -3480,7 +3499,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   @cute.jit
   def _compute(self, nt: cutlass.Constexpr, sbs, rows_fast: Int32, acc: cute.Tensor,
                single: cutlass.Constexpr = False, ctl=None, pair=None, p_out=None, r0: cutlass.Constexpr = 0,
-               per_bar: cutlass.Constexpr = 1, scws=None):
+               per_bar: cutlass.Constexpr = 1, scws=None, mid=None):
     """The MMAs of the stages at ``sbs`` (one, or the two between paired barriers with `pair_test`): this thread's
     rows' scale words, then the fast or the slow path of `_stage` (``pair`` 2 or 4: its two- or four-row body), the
     fast one only where every thread of the warp may take it.
@@ -3488,7 +3507,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     `_stage`) and one choice of body, so that both bodies lie in one basic block and ptxas may overlap the second
     stage's loads, decode and MMAs with the first's epilogue.
     ``p_out`` (a `kpair` pass): the set of p of this barrier step, where warp w >= 4 stores its blocks' p of stage
-    r0 + r of the step (`_kpair_p`). ``scws``: the stages' `_scale_words`, where the caller loaded them already."""
+    r0 + r of the step (`_kpair_p`). ``scws``: the stages' `_scale_words`, where the caller loaded them already.
+    ``mid`` (`GCMOE_ABLATION=copymid`): copies that `_stages` issues between the two stages (`_issue_mid`)."""
     warp, lane, g, t4 = _lanes()
     if cutlass.const_expr(scws is None):
       scws = tuple(self._scale_words(sb) for sb in sbs)
@@ -3508,9 +3528,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       if _warp_any((rows_fast == 0) | ((bits & SCALE_BYTE_BITS) != SCALE_BYTE_BITS)) == 0:
         # (a warp's vote: each thread tests its own rows, and the bodies hold mma.sync.aligned, which the whole warp
         # must run together; the slow body gives the fast one's bits wherever both apply)
-        self._stage_body(True, nt, sbs, scws, acc, single, ctl, pair, pv)
+        self._stage_body(True, nt, sbs, scws, acc, single, ctl, pair, pv, mid)
       else:
-        self._stage_body(False, nt, sbs, scws, acc, single, ctl, pair, pv)
+        self._stage_body(False, nt, sbs, scws, acc, single, ctl, pair, pv, mid)
     if cutlass.const_expr(p_out is not None):
       if warp >= WARPS // 2:
         for r in cutlass.range_constexpr(len(sbs)):
@@ -3519,26 +3539,38 @@ class RoleKernelsV2(v1.RoleKernelsV1):
 
   @cute.jit
   def _stage_body(self, fast: cutlass.Constexpr, nt: cutlass.Constexpr, sbs, scws, acc: cute.Tensor,
-                  single: cutlass.Constexpr, ctl, pair, pv=None):
+                  single: cutlass.Constexpr, ctl, pair, pv=None, mid=None):
     """`_stage` of each stage at ``sbs`` in its two-row body when ``pair`` (run time) is 2, its four-row body when
     4, else in the pass's own: one choice for all of them."""
     if cutlass.const_expr(pair is not None):
       if pair == 2:
-        self._stages(fast, nt, sbs, scws, acc, 2, ctl)
+        self._stages(fast, nt, sbs, scws, acc, 2, ctl, mid=mid)
       elif cutlass.const_expr(self.four_row):
         if pair == 4:
-          self._stages(fast, nt, sbs, scws, acc, 4, ctl)
+          self._stages(fast, nt, sbs, scws, acc, 4, ctl, mid=mid)
         else:
-          self._stages(fast, nt, sbs, scws, acc, single, ctl)
+          self._stages(fast, nt, sbs, scws, acc, single, ctl, mid=mid)
       else:
-        self._stages(fast, nt, sbs, scws, acc, single, ctl)
+        self._stages(fast, nt, sbs, scws, acc, single, ctl, mid=mid)
     else:
-      self._stages(fast, nt, sbs, scws, acc, single, ctl, pv)
+      self._stages(fast, nt, sbs, scws, acc, single, ctl, pv, mid)
 
-  def _stages(self, fast: bool, nt: int, sbs, scws, acc: cute.Tensor, single: int, ctl, pv=None) -> None:
-    """`_stage` of each stage at ``sbs`` in turn, in one body (traced, so the calls are inlined in order)."""
+  def _stages(self, fast: bool, nt: int, sbs, scws, acc: cute.Tensor, single: int, ctl, pv=None, mid=None) -> None:
+    """`_stage` of each stage at ``sbs`` in turn, in one body (traced, so the calls are inlined in order); ``mid``:
+    `_issue_mid`'s copies after the first."""
     for r, (sb, scw) in enumerate(zip(sbs, scws)):
       self._stage(fast, nt, sb, scw, acc, single, ctl, pv, v1.SUBS * r)  # (``pv``: stage r's p from pv[4 r])
+      if mid is not None and r == 0:
+        self._issue_mid(*mid)
+
+  @cute.jit
+  def _issue_mid(self, kb: Int32, sb: Int32, pw_e: Int64, row0: Int32, n_rows: cutlass.Constexpr,
+                 kb_n: cutlass.Constexpr, src, nbytes: Int32):
+    """`GCMOE_ABLATION=copymid`: the weight chunks of block ``kb`` into the stage at ``sb`` and the commit of its
+    copy group, without a branch (``nbytes`` 0 past the K loop: the copies then read nothing and zero-fill a slot
+    whose stage every warp has consumed)."""
+    self._issue_w(kb, sb, pw_e, Int64(0), row0, n_rows, kb_n, 0, src[0], scales=False, nbytes=nbytes)
+    _commit()
 
   @cute.jit
   def _stage(self, fast: cutlass.Constexpr, nt: cutlass.Constexpr, sb: Int32, scw, acc: cute.Tensor,
@@ -3745,17 +3777,20 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   def _issue(self, kb: Int32, sb: Int32, slots: cutlass.Constexpr, pw_e: Int64, psc_e: Int64, row0: Int32,
              n_rows: cutlass.Constexpr, kb_n: cutlass.Constexpr, nblk: cutlass.Constexpr, planes: Int64,
              exps: Int64, ctl: Int32, n_copy: cutlass.Constexpr = -1, per_bar: cutlass.Constexpr = 0, w_on=None,
-             src=None):
+             src=None, parts: cutlass.Constexpr = "all"):
     """cp.async of K128 block ``kb`` into the stage at ``sb``: weights (swizzled), scales, B planes, exponents (of the
     first ``n_copy`` slots of the stage's ``slots``; -1: all). ``src``: this thread's sources from
-    `_copy_sources`, taken once per pass.
+    `_copy_sources`, taken once per pass. ``parts`` "x" (`GCMOE_ABLATION=copymid`): all but the weights.
 
     ``per_bar`` > 0 (a `kpair` pass, its stages meeting at a barrier every ``per_bar``): ``kb`` is a stage of two
     half tiles, rows row0 .. row0 + 63 of K128 tile `kpair_tile` (kb, 0) as the stage's rows 0-63 and B slots 0 ..
     n_copy - 1, of tile (kb, 1) as rows 64-127 and slots 4 .. 3 + n_copy. ``w_on`` (an Int32, `w_early`): 0 leaves
     the weights and scales out, `_issue_w` copied them before the item's wait."""
     w_src, x_rows = (None, None) if cutlass.const_expr(src is None) else src
-    if cutlass.const_expr(w_on is None):
+    if cutlass.const_expr(parts == "x"):
+      assert w_on is None and w_src is not None and not per_bar
+      self._issue_w(kb, sb, pw_e, psc_e, row0, n_rows, kb_n, per_bar, w_src, weights=False)
+    elif cutlass.const_expr(w_on is None):
       self._issue_w(kb, sb, pw_e, psc_e, row0, n_rows, kb_n, per_bar, w_src)
     else:
       if w_on != 0:
@@ -3788,15 +3823,17 @@ class RoleKernelsV2(v1.RoleKernelsV1):
 
   @cute.jit
   def _issue_w(self, kb: Int32, sb: Int32, pw_e: Int64, psc_e: Int64, row0: Int32, n_rows: cutlass.Constexpr,
-               kb_n: cutlass.Constexpr, per_bar: cutlass.Constexpr = 0, w_src=None):
+               kb_n: cutlass.Constexpr, per_bar: cutlass.Constexpr = 0, w_src=None, weights: cutlass.Constexpr = True,
+               scales: cutlass.Constexpr = True, nbytes=None):
     """`_issue`'s weights and scale words: what a stage holds that the call's activations do not decide. ``w_src``:
-    (the chunks' addresses, the scale word's) at block 0 (`_copy_sources`)."""
+    (the chunks' addresses, the scale word's) at block 0 (`_copy_sources`). ``weights``, ``scales``: which of the
+    two; ``nbytes`` (an Int32): the weight copies' source bytes, 16 or 0 (`_issue_mid`)."""
     tid, _, _ = cute.arch.thread_idx()
     halves = 2 if cutlass.const_expr(per_bar) else 1
     rows = TILE_M // halves
     assert not (per_bar and self.qmma)
     assert w_src is None or not per_bar
-    for i in cutlass.range_constexpr(W_BYTES // 16 // THREADS):
+    for i in cutlass.range_constexpr(W_BYTES // 16 // THREADS if weights else 0):
       c = tid + i * THREADS
       row = c // 4
       col = c % 4
@@ -3809,7 +3846,16 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       if cutlass.const_expr(self.l2ahead):
         _cp16_first(sb + row * 64 + ((col ^ ((row // 2) % 4)) << 4), src, Int32(16))
       else:
-        _cp16(sb + row * 64 + ((col ^ ((row // 2) % 4)) << 4), src, Int32(16))
+        _cp16(sb + row * 64 + ((col ^ ((row // 2) % 4)) << 4), src, Int32(16) if nbytes is None else nbytes)
+    if cutlass.const_expr(scales):
+      self._issue_scales(kb, sb, psc_e, row0, kb_n, per_bar, w_src)
+
+  @cute.jit
+  def _issue_scales(self, kb: Int32, sb: Int32, psc_e: Int64, row0: Int32, kb_n: cutlass.Constexpr,
+                    per_bar: cutlass.Constexpr, w_src):
+    """`_issue_w`'s scale words."""
+    tid, _, _ = cute.arch.thread_idx()
+    rows = TILE_M // (2 if cutlass.const_expr(per_bar) else 1)
     if tid < TILE_M:
       if cutlass.const_expr(per_bar):
         _cp4(sb + W_BYTES + tid * 4,
