@@ -3263,7 +3263,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       if cutlass.const_expr(self.ablation != "scalelate" and per_bar % 2 == 0 and self.pair_test):
         scws = tuple(self._scale_words(pipe + ((kb + q) % n_st) * st_bytes) for q in range(per_bar))
       mid = None
-      if cutlass.const_expr(self.copy_mid and per_bar == 2 and n_st % per_bar == 0 and n_kb % per_bar == 0):
+      # (a step's stages all in range or all past the K loop: even depth and stage count)
+      whole_steps = per_bar > 1 and n_st % per_bar == 0 and n_kb % per_bar == 0
+      if cutlass.const_expr(self.copy_mid and per_bar == 2 and whole_steps):
         # (timing: the step's copies but the second stage's weights before its compute, those between its two
         # stages, `_stages`; the step's two commit groups are waited for together, so how its copies split between
         # them does not matter)
@@ -3275,9 +3277,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
           self._issue(nk + 1, pipe + ((nk + 1) % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk,
                       planes, exps, ctl, n_copy, kpair_bar, src=src, parts="x")
         _commit()
+        # (the slot's address again, not one value: held from here to the mid copies, ptxas spilled 24 B, not 12)
         mid = (nk + 1, pipe + ((nk + 1) % n_st) * st_bytes, pw_e, row0, n_rows, kb_n, src,
                cutlass.select_(live, Int32(16), Int32(0)))
-      elif cutlass.const_expr(self.copy_block and per_bar > 1 and n_st % per_bar == 0 and n_kb % per_bar == 0):
+      elif cutlass.const_expr(self.copy_block and whole_steps):
         # The step's stages are all in range or all past the K loop, so one test covers their copies, which then lie
         # in one basic block: ptxas builds the shared window's base once for them (S2R SR_CgaCtaId, one per stage
         # before) and the second stage's addresses in other registers than the first's.
@@ -3789,7 +3792,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     w_src, x_rows = (None, None) if cutlass.const_expr(src is None) else src
     if cutlass.const_expr(parts == "x"):
       assert w_on is None and w_src is not None and not per_bar
-      self._issue_w(kb, sb, pw_e, psc_e, row0, n_rows, kb_n, per_bar, w_src, weights=False)
+      self._issue_scales(kb, sb, psc_e, row0, kb_n, per_bar, w_src)
     elif cutlass.const_expr(w_on is None):
       self._issue_w(kb, sb, pw_e, psc_e, row0, n_rows, kb_n, per_bar, w_src)
     else:
@@ -3823,17 +3826,17 @@ class RoleKernelsV2(v1.RoleKernelsV1):
 
   @cute.jit
   def _issue_w(self, kb: Int32, sb: Int32, pw_e: Int64, psc_e: Int64, row0: Int32, n_rows: cutlass.Constexpr,
-               kb_n: cutlass.Constexpr, per_bar: cutlass.Constexpr = 0, w_src=None, weights: cutlass.Constexpr = True,
-               scales: cutlass.Constexpr = True, nbytes=None):
+               kb_n: cutlass.Constexpr, per_bar: cutlass.Constexpr = 0, w_src=None, scales: cutlass.Constexpr = True,
+               nbytes=None):
     """`_issue`'s weights and scale words: what a stage holds that the call's activations do not decide. ``w_src``:
-    (the chunks' addresses, the scale word's) at block 0 (`_copy_sources`). ``weights``, ``scales``: which of the
-    two; ``nbytes`` (an Int32): the weight copies' source bytes, 16 or 0 (`_issue_mid`)."""
+    (the chunks' addresses, the scale word's) at block 0 (`_copy_sources`). ``scales`` False: the weights only
+    (`_issue_mid`); ``nbytes`` (an Int32): the weight copies' source bytes, 16 or 0 there."""
     tid, _, _ = cute.arch.thread_idx()
     halves = 2 if cutlass.const_expr(per_bar) else 1
     rows = TILE_M // halves
     assert not (per_bar and self.qmma)
     assert w_src is None or not per_bar
-    for i in cutlass.range_constexpr(W_BYTES // 16 // THREADS if weights else 0):
+    for i in cutlass.range_constexpr(W_BYTES // 16 // THREADS):
       c = tid + i * THREADS
       row = c // 4
       col = c % 4
