@@ -26,7 +26,7 @@ _ABLATIONS = ("nomath", "nogemm2", "widedecode", "tma", "static", "evenbodies", 
               "stagebar", "sharedfirst", "routedfirst", "regpull", "onecta", "nofourrow", "stagetest", "kpair",
               "l2ahead", "wearly", "wearly1", "wearlyl2", "shallow", "spin", "bar4", "kbany", "kbany1",
               "kbanyeager", "trips", "shfree", "unbiased", "copyaddr",
-              "scalelate", "copystep", "copymid")
+              "scalelate", "copystep", "copyburst")
 
 
 def _ablation(text: str) -> str:
@@ -165,10 +165,9 @@ VARS = {v.name: v for v in (
                                        "step's copies (the form before session 47), results exact, for A/B "
                                        "timing; copystep: each stage of a paired step of a routed variant tests "
                                        "its own range before its copies (the form before session 48), results "
-                                       "exact, 0.0-1.7 % slower at B = 1-8 on the H100, for A/B timing; copymid: "
-                                       "a paired step's second stage takes its weight copies between the step's "
-                                       "two stages (routed variants), results exact by construction, not yet "
-                                       "run on a GPU); "
+                                       "exact, 0.0-3.0 % slower at B = 1-32 on the H100, for A/B timing; "
+                                       "copyburst: a paired step's copies all before its compute (routed "
+                                       "variants; the form before session 49), results exact, for A/B timing); "
                                        "part of the cubin key"),
   Var("GCMOE_WAIT_TIMEOUT_MS", _wait_ms, 2000, "bound of every device spin-wait; expiry becomes a Python exception"),
   Var("GCMOE_FIRST_WAIT_TIMEOUT_MS", _wait_ms, 120_000, "bound of the spin-waits of the first call of the fused "

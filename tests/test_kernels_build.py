@@ -1058,16 +1058,17 @@ def _copies_between_mmas(ptx: str) -> int:
 
 @needs_dsl
 @pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
-def test_the_copymid_build_issues_a_steps_second_weights_between_its_stages(cache, monkeypatch):
-  """GCMOE_ABLATION=copymid (timing, exact by construction: docs/kernels_v2.md "A step's copies in one block"): a
-  paired step's second stage takes its weight copies between the step's two stages, zero-filling without a branch
-  past the K loop (`_issue_mid`), where the normal build issues every copy of a step before its MMAs; its own key,
-  roles 1 and 3 as they are, the same scale-word copies, and no more local memory than the budget."""
-  normal, mid = _role2_only_ablation("copymid", cache, monkeypatch, Variant(6144, 2048, 32, 8, 8))
-  a, b = _ptx(normal, 2), _ptx(mid, 2)
-  assert _copies_between_mmas(a) == 0 < _copies_between_mmas(b)
+def test_a_paired_steps_second_weights_go_between_its_stages(cache, monkeypatch):
+  """A paired step of a routed variant issues its second stage's weight copies between its two stages, zero-filling
+  without a branch past the K loop (`_issue_mid`, docs/kernels_v2.md "The second stage's weights between the
+  stages", session 49), where `GCMOE_ABLATION=copyburst` (the form before; its own key, roles 1 and 3 as they are)
+  issues every copy of a step before its MMAs: the same scale-word copies, and no more local memory than the
+  budget."""
+  normal, burst = _role2_only_ablation("copyburst", cache, monkeypatch, Variant(6144, 2048, 32, 8, 8))
+  a, b = _ptx(normal, 2), _ptx(burst, 2)
+  assert _copies_between_mmas(b) == 0 < _copies_between_mmas(a)
   assert a.count("cp.async.ca.shared.global") == b.count("cp.async.ca.shared.global") > 0
-  assert mid["roles"][1]["spill_bytes"] <= build._SPILL_BUDGET[2]
+  assert normal["roles"][1]["spill_bytes"] <= build._SPILL_BUDGET[2]
 
 
 @needs_dsl
@@ -1075,13 +1076,17 @@ def test_the_copymid_build_issues_a_steps_second_weights_between_its_stages(cach
 def test_a_paired_steps_copies_take_one_range_test(cache, monkeypatch):
   """A paired step of a routed variant whose stages are all in range or all past the K loop issues their copies
   under one test, so that they lie in one basic block (docs/kernels_v2.md "A step's copies in one block",
-  session 48), where `GCMOE_ABLATION=copystep` (the form before; its own key, roles 1 and 3 as they are) tests each
-  stage's range before its copies: the same copies, SMEM loads and MMAs, a step's commits in both arms of its one
-  test, and no more local memory than the budget."""
+  session 48), where `GCMOE_ABLATION=copystep` (the form before) tests each stage's range before its copies. Against
+  `GCMOE_ABLATION=copyburst` (session 48's form: the block, with every copy of the step before its MMAs): the same
+  copies, SMEM loads and MMAs, a step's commits in both arms of its one test."""
   # (GLM5.2's capacity-8 variant: the small shape's pipeline depth is odd, where both forms are the same code)
-  normal, step = _role2_only_ablation("copystep", cache, monkeypatch, Variant(6144, 2048, 32, 8, 8))
-  a, b = _ptx(normal, 2), _ptx(step, 2)
+  built = []
+  for ablation in ("copyburst", "copystep"):
+    monkeypatch.delenv("GCMOE_ABLATION", raising=False)
+    built.append(_role2_only_ablation(ablation, cache, monkeypatch, Variant(6144, 2048, 32, 8, 8))[1])
+  burst, step = built
+  a, b = _ptx(burst, 2), _ptx(step, 2)
   for op in ("cp.async.cg.shared.global", "cp.async.ca.shared.global", "mma.sync.aligned.m16n8k32", "ld.shared"):
     assert a.count(op) == b.count(op) > 0, op
   assert a.count("cp.async.commit_group") > b.count("cp.async.commit_group")
-  assert normal["roles"][1]["spill_bytes"] <= build._SPILL_BUDGET[2]
+  assert burst["roles"][1]["spill_bytes"] <= build._SPILL_BUDGET[2]

@@ -955,10 +955,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # A paired step's copies under one range test (session 48: routed, 0.0-1.7 % faster at B = 1-8 on the H100; with
     # the shared expert within +-0.7 %, so those builds stay as they were). `GCMOE_ABLATION=copystep`: the form before.
     self.copy_block = not v.shared and self.ablation != "copystep"
-    # `GCMOE_ABLATION=copymid` (timing, exact by construction, routed variants with `copy_block`): a step's second stage
-    # takes its weight copies between the step's two stages instead of before them, so the step's LDGSTS reach the MIO
-    # queue in two bursts (docs/kernels_v2.md "A step's copies in one block").
-    self.copy_mid = self.copy_block and self.pair_test and self.ablation == "copymid"
+    # In those, a step's second stage takes its weight copies between the step's two stages instead of before them, so
+    # the step's LDGSTS reach the MIO queue in two bursts (session 49: exact, -1.1 % over B = 1-8 on the H100, docs/
+    # kernels_v2.md "The second stage's weights between the stages"). `GCMOE_ABLATION=copyburst`: all before them.
+    self.copy_mid = self.copy_block and self.pair_test and self.ablation != "copyburst"
     # GEMM2 items of 64 rows with K split between warp pairs at calls of up to `KPAIR_TOKENS` tokens (each expert up
     # to that many rows: the one- and two-row bodies): `GCMOE_ABLATION=kpair`, built to be checked and timed on a
     # GPU (docs/kernels_v2.md "Item balance"; its results should be exact). The routed variants of 16-row passes
@@ -3266,9 +3266,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       # (a step's stages all in range or all past the K loop: even depth and stage count)
       whole_steps = per_bar > 1 and n_st % per_bar == 0 and n_kb % per_bar == 0
       if cutlass.const_expr(self.copy_mid and per_bar == 2 and whole_steps):
-        # (timing: the step's copies but the second stage's weights before its compute, those between its two
-        # stages, `_stages`; the step's two commit groups are waited for together, so how its copies split between
-        # them does not matter)
+        # The step's copies but the second stage's weights before its compute, those between its two stages
+        # (`_stages`); the step's two commit groups are waited for together, so how its copies split between them
+        # does not matter.
         nk = kb + n_st - per_bar
         live = nk < n_kb
         if live:
@@ -3511,7 +3511,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     stage's loads, decode and MMAs with the first's epilogue.
     ``p_out`` (a `kpair` pass): the set of p of this barrier step, where warp w >= 4 stores its blocks' p of stage
     r0 + r of the step (`_kpair_p`). ``scws``: the stages' `_scale_words`, where the caller loaded them already.
-    ``mid`` (`GCMOE_ABLATION=copymid`): copies that `_stages` issues between the two stages (`_issue_mid`)."""
+    ``mid`` (`RoleKernelsV2.copy_mid`): copies that `_stages` issues between the two stages (`_issue_mid`)."""
     warp, lane, g, t4 = _lanes()
     if cutlass.const_expr(scws is None):
       scws = tuple(self._scale_words(sb) for sb in sbs)
@@ -3569,7 +3569,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   @cute.jit
   def _issue_mid(self, kb: Int32, sb: Int32, pw_e: Int64, row0: Int32, n_rows: cutlass.Constexpr,
                  kb_n: cutlass.Constexpr, src, nbytes: Int32):
-    """`GCMOE_ABLATION=copymid`: the weight chunks of block ``kb`` into the stage at ``sb`` and the commit of its
+    """`RoleKernelsV2.copy_mid`: the weight chunks of block ``kb`` into the stage at ``sb`` and the commit of its
     copy group, without a branch (``nbytes`` 0 past the K loop: the copies then read nothing and zero-fill a slot
     whose stage every warp has consumed)."""
     self._issue_w(kb, sb, pw_e, Int64(0), row0, n_rows, kb_n, 0, src[0], scales=False, nbytes=nbytes)
@@ -3783,7 +3783,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
              src=None, parts: cutlass.Constexpr = "all"):
     """cp.async of K128 block ``kb`` into the stage at ``sb``: weights (swizzled), scales, B planes, exponents (of the
     first ``n_copy`` slots of the stage's ``slots``; -1: all). ``src``: this thread's sources from
-    `_copy_sources`, taken once per pass. ``parts`` "x" (`GCMOE_ABLATION=copymid`): all but the weights.
+    `_copy_sources`, taken once per pass. ``parts`` "x" (`RoleKernelsV2.copy_mid`): all but the weights.
 
     ``per_bar`` > 0 (a `kpair` pass, its stages meeting at a barrier every ``per_bar``): ``kb`` is a stage of two
     half tiles, rows row0 .. row0 + 63 of K128 tile `kpair_tile` (kb, 0) as the stage's rows 0-63 and B slots 0 ..
