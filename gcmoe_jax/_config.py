@@ -26,7 +26,7 @@ _ABLATIONS = ("nomath", "nogemm2", "widedecode", "tma", "static", "evenbodies", 
               "stagebar", "sharedfirst", "routedfirst", "regpull", "onecta", "nofourrow", "stagetest", "kpair",
               "l2ahead", "wearly", "wearly1", "wearlyl2", "shallow", "spin", "bar4", "kbany", "kbany1",
               "kbanyeager", "trips", "shfree", "unbiased", "copyaddr",
-              "scalelate", "copystep", "copyburst")
+              "scalelate", "copystep", "copyburst", "copymid", "tmaw")
 
 
 def _ablation(text: str) -> str:
@@ -167,7 +167,12 @@ VARS = {v.name: v for v in (
                                        "its own range before its copies (the form before session 48), results "
                                        "exact, 0.0-3.0 % slower at B = 1-32 on the H100, for A/B timing; "
                                        "copyburst: a paired step's copies all before its compute (routed "
-                                       "variants; the form before session 49), results exact, for A/B timing); "
+                                       "variants; the form before session 49), results exact, for A/B timing; "
+                                       "copymid: a paired step's second-stage weights between its stages in every "
+                                       "routed variant (the default only at capacity <= 8), results exact by "
+                                       "construction, for A/B timing at B >= 16; "
+                                       "tmaw: the per-thread producer's weight tiles by TMA onto an mbarrier "
+                                       "per slot, results exact by construction, not yet run on a GPU); "
                                        "part of the cubin key"),
   Var("GCMOE_WAIT_TIMEOUT_MS", _wait_ms, 2000, "bound of every device spin-wait; expiry becomes a Python exception"),
   Var("GCMOE_FIRST_WAIT_TIMEOUT_MS", _wait_ms, 120_000, "bound of the spin-waits of the first call of the fused "

@@ -1059,16 +1059,37 @@ def _copies_between_mmas(ptx: str) -> int:
 @needs_dsl
 @pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
 def test_a_paired_steps_second_weights_go_between_its_stages(cache, monkeypatch):
-  """A paired step of a routed variant issues its second stage's weight copies between its two stages, zero-filling
-  without a branch past the K loop (`_issue_mid`, docs/kernels_v2.md "The second stage's weights between the
-  stages", session 49), where `GCMOE_ABLATION=copyburst` (the form before; its own key, roles 1 and 3 as they are)
-  issues every copy of a step before its MMAs: the same scale-word copies, and no more local memory than the
-  budget."""
+  """A paired step of a routed variant of capacity <= 8 issues its second stage's weight copies between its two
+  stages, zero-filling without a branch past the K loop (`_issue_mid`, docs/kernels_v2.md "The second stage's weights
+  between the stages", session 49), where `GCMOE_ABLATION=copyburst` (the form before; its own key, roles 1 and 3 as
+  they are) issues every copy of a step before its MMAs: the same scale-word copies, and no more local memory than
+  the budget. At capacity 16, measured only in the form before, the normal build keeps it and `GCMOE_ABLATION=copymid`
+  builds the split."""
   normal, burst = _role2_only_ablation("copyburst", cache, monkeypatch, Variant(6144, 2048, 32, 8, 8))
   a, b = _ptx(normal, 2), _ptx(burst, 2)
   assert _copies_between_mmas(b) == 0 < _copies_between_mmas(a)
   assert a.count("cp.async.ca.shared.global") == b.count("cp.async.ca.shared.global") > 0
   assert normal["roles"][1]["spill_bytes"] <= build._SPILL_BUDGET[2]
+  monkeypatch.delenv("GCMOE_ABLATION")
+  wide, mid = _role2_only_ablation("copymid", cache, monkeypatch, Variant(6144, 2048, 32, 8, 16))
+  assert _copies_between_mmas(_ptx(wide, 2)) == 0 < _copies_between_mmas(_ptx(mid, 2))
+
+
+@needs_dsl
+@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
+def test_the_tmaw_build_copies_the_weight_tiles_by_tma(cache, monkeypatch):
+  """GCMOE_ABLATION=tmaw (timing, exact by construction, docs/kernels_v2.md "The weight tiles by TMA"): the
+  per-thread producer's weight tiles by one TMA copy per stage onto a `full` mbarrier per slot, which every thread
+  waits for (bounded), the scale words and B rows per thread as before: its own key, roles 1 and 3 as they are,
+  tensor copies and mbarrier waits the normal build has none of, fewer 16-byte cp.async, the same scale-word copies,
+  and local memory within the ablation budget."""
+  normal, tmaw = _role2_only_ablation("tmaw", cache, monkeypatch, Variant(6144, 2048, 32, 8, 8))
+  a, b = _ptx(normal, 2), _ptx(tmaw, 2)
+  for op in ("cp.async.bulk.tensor.2d", "mbarrier.try_wait.parity", "mbarrier.arrive.expect_tx"):
+    assert op not in a and op in b, op
+  assert b.count("cp.async.cg.shared.global") < a.count("cp.async.cg.shared.global")
+  assert a.count("cp.async.ca.shared.global") == b.count("cp.async.ca.shared.global") > 0
+  assert tmaw["roles"][1]["spill_bytes"] <= build._ABLATION_SPILL_BUDGET[2]
 
 
 @needs_dsl

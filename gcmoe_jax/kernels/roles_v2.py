@@ -955,10 +955,18 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # A paired step's copies under one range test (session 48: routed, 0.0-1.7 % faster at B = 1-8 on the H100; with
     # the shared expert within +-0.7 %, so those builds stay as they were). `GCMOE_ABLATION=copystep`: the form before.
     self.copy_block = not v.shared and self.ablation != "copystep"
-    # In those, a step's second stage takes its weight copies between the step's two stages instead of before them, so
-    # the step's LDGSTS reach the MIO queue in two bursts (session 49: exact, -1.1 % over B = 1-8 on the H100, docs/
-    # kernels_v2.md "The second stage's weights between the stages"). `GCMOE_ABLATION=copyburst`: all before them.
-    self.copy_mid = self.copy_block and self.pair_test and self.ablation != "copyburst"
+    # `GCMOE_ABLATION=tmaw` (timing, exact by construction): the per-thread producer's weight tiles by TMA, one
+    # instruction per stage from thread 0 completing on a `full` mbarrier per slot that every thread waits for beside
+    # its own copy groups; the scale words and B rows stay per thread, the CTA barrier still frees the slots. Takes
+    # four LDGSTS per thread and step out of the MIO queue (docs/kernels_v2.md).
+    self.tma_w = not self.tma and not self.fused and self.ablation == "tmaw"
+    # In those of capacity <= 8 (calls of B <= 8), a step's second stage takes its weight copies between the step's
+    # two stages instead of before them, so the step's LDGSTS reach the MIO queue in two bursts (session 49: exact,
+    # -1.1 % over B = 1-8 on the H100, docs/kernels_v2.md "The second stage's weights between the stages").
+    # `GCMOE_ABLATION=copyburst`: all before them everywhere; `copymid`: between them in every routed variant (for
+    # the A/B at B >= 16, not yet measured).
+    self.copy_mid = self.copy_block and self.pair_test and (
+        self.ablation == "copymid" or v.capacity <= 8 and self.ablation not in ("copyburst", "tmaw"))
     # GEMM2 items of 64 rows with K split between warp pairs at calls of up to `KPAIR_TOKENS` tokens (each expert up
     # to that many rows: the one- and two-row bodies): `GCMOE_ABLATION=kpair`, built to be checked and timed on a
     # GPU (docs/kernels_v2.md "Item balance"; its results should be exact). The routed variants of 16-row passes
@@ -2810,6 +2818,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     n_st = self._pass_stages(nt)
     pw_e, psc_e = self._expert_weights(e, pw, psc, n_rows, kb_n)
     row0 = j * TILE_M
+    # (`tma_w`: the TensorMap, the tile's first row in it at kb = 0, and what a timed-out wait records)
+    tw = (tmap, e * (kb_n * n_rows) + row0, wsb, cur) if cutlass.const_expr(self.tma_w and not kpair) else None
     if cutlass.const_expr(kpair):
       n_st = n_st - 1  # the last stage's room holds the warps' p (`_cpasync_mainloop`)
       row0 = j * (TILE_M // 2)
@@ -2849,11 +2859,14 @@ class RoleKernelsV2(v1.RoleKernelsV1):
           _sts(ctl + CTL_ANY + 4 * q, 0)
     # The TMA producer's barriers start each pass here, before the slot table's CTA barrier makes them visible.
     bars = ctl + CTL_BARS
-    if cutlass.const_expr(self.tma):
+    if cutlass.const_expr(self.tma or self.tma_w):
       if tid == 0:
         for s in cutlass.range_constexpr(n_st):
-          _mbar_init(bars + 8 * s, 1 + 32)  # the producer lane 0's arrive.expect_tx, its 32 lanes' cp.async
-          _mbar_init(bars + 8 * (MAX_STAGES + s), THREADS)
+          if cutlass.const_expr(self.tma_w):
+            _mbar_init(bars + 8 * s, 1)  # thread 0's arrive.expect_tx
+          else:
+            _mbar_init(bars + 8 * s, 1 + 32)  # the producer lane 0's arrive.expect_tx, its 32 lanes' cp.async
+            _mbar_init(bars + 8 * (MAX_STAGES + s), THREADS)
         _fence_mbar_init()
         _sts(ctl + CTL_FAULT, -1)
       _fence_async_smem()  # the epilogue and the shared-expert path wrote this area through the generic proxy
@@ -2886,7 +2899,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         if cutlass.const_expr(self.four_row):
           pair = cutlass.select_((rows == 3) | (rows == 4), Int32(4), pair)
         self._cpasync_mainloop(nt, n_st, st_bytes, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl, pipe,
-                               rows_fast, acc, single, pair, pre=pre)
+                               rows_fast, acc, single, pair, pre=pre, tw=tw)
         if pair == 2:
           for c in cutlass.range_constexpr(1, 4):  # (slot c % 2, row g + 8 (c // 2)) was lane t4 = c's (`_stage`)
             acc[c] = _shfl_xor(acc[0], c)
@@ -2901,7 +2914,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
               acc[c] = moved[c]
       else:
         self._cpasync_mainloop(nt, n_st, st_bytes, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl, pipe,
-                               rows_fast, acc, single, kpair=kpair, pre=pre)
+                               rows_fast, acc, single, kpair=kpair, pre=pre, tw=tw)
       if cutlass.const_expr(single == 1):
         acc[2] = _shfl_xor(acc[0], 1)  # row g + 8 was accumulated by lane t4 = 1 (`_stage`)
       elif cutlass.const_expr(single == 2):
@@ -3214,7 +3227,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
                         pw_e: Int64, psc_e: Int64, row0: Int32, n_rows: cutlass.Constexpr, kb_n: cutlass.Constexpr,
                         nblk: cutlass.Constexpr, planes: Int64, exps: Int64, ctl: Int32, pipe: Int32,
                         rows_fast: Int32, acc: cute.Tensor, single: cutlass.Constexpr = False, pair=None,
-                        kpair: cutlass.Constexpr = False, pre=None):
+                        kpair: cutlass.Constexpr = False, pre=None, tw=None):
     """The K loop of the per-thread producer (sm_90a): every thread issues cp.async copies of the stages ahead and
     the CTA meets at a barrier per stage, or per two stages in narrow passes (``single``: a one-row pass, whose
     padding slots are never read, so only slot 0's B rows are copied; ``pair``: 2 for a pass of two rows, 4 for
@@ -3225,7 +3238,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     64-127 and slots 4-7; warps 0-3 accumulate theirs, warps 4-7 store each block's p to the room after the last
     stage, and after the next barrier warps 0-3 add those in block order (`_kpair_add`).
 
-    ``pre`` (an Int32, `w_early`): 1 where `_w_ahead` copied the prologue's weights and scale words already."""
+    ``pre`` (an Int32, `w_early`): 1 where `_w_ahead` copied the prologue's weights and scale words already.
+
+    ``tw`` (`RoleKernelsV2.tma_w`: the TensorMap, the tile's first row in it, the workspace and the epoch): the
+    weight tiles by TMA onto the slots' ``full`` mbarriers (`_issue_stage`, `_weights_landed`)."""
     slots = 8 * nt
     n_copy = 1 if cutlass.const_expr(single) else slots
     if cutlass.const_expr(kpair):
@@ -3243,14 +3259,22 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     src = None
     if cutlass.const_expr(not kpair and self.ablation != "copyaddr"):
       src = self._copy_sources(pw_e, psc_e, row0, kb_n, n_copy, ctl)
+    bars = ctl + CTL_BARS
     for s in cutlass.range_constexpr(n_st - per_bar):
       if s < n_kb:
-        self._issue(s, pipe + s * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl, n_copy,
-                    kpair_bar, None if cutlass.const_expr(pre is None) else 1 - pre, src)
+        if cutlass.const_expr(tw is not None):
+          self._issue_stage(s, pipe + s * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl,
+                            n_copy, src, tw, bars + 8 * (s % n_st))
+        else:
+          self._issue(s, pipe + s * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl,
+                      n_copy, kpair_bar, None if cutlass.const_expr(pre is None) else 1 - pre, src)
       _commit()
     for kq in range(n_kb // per_bar):
       kb = kq * per_bar
       _wait_group(n_st - 2 * per_bar)  # stages kb .. kb + per_bar - 1 have landed (this thread's copies)
+      if cutlass.const_expr(tw is not None):
+        for q in cutlass.range_constexpr(per_bar):
+          self._weights_landed(kb + q, bars + 8 * ((kb + q) % n_st), tw, ctl, n_st)
       cute.arch.sync_threads()  # ... everyone's, and every warp is done with the stages the next copies overwrite
       if cutlass.const_expr(kpair):
         if kq > 0:
@@ -3287,8 +3311,12 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         if kb + n_st - per_bar < n_kb:
           for q in cutlass.range_constexpr(per_bar):
             nk = kb + n_st - per_bar + q
-            self._issue(nk, pipe + (nk % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes,
-                        exps, ctl, n_copy, kpair_bar, src=src)
+            if cutlass.const_expr(tw is not None):
+              self._issue_stage(nk, pipe + (nk % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk,
+                                planes, exps, ctl, n_copy, src, tw, bars + 8 * (nk % n_st))
+            else:
+              self._issue(nk, pipe + (nk % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes,
+                          exps, ctl, n_copy, kpair_bar, src=src)
             _commit()
         else:
           for q in cutlass.range_constexpr(per_bar):
@@ -3297,8 +3325,12 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         for q in cutlass.range_constexpr(per_bar):
           nk = kb + n_st - per_bar + q
           if nk < n_kb:
-            self._issue(nk, pipe + (nk % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes,
-                        exps, ctl, n_copy, kpair_bar, src=src)
+            if cutlass.const_expr(tw is not None):
+              self._issue_stage(nk, pipe + (nk % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk,
+                                planes, exps, ctl, n_copy, src, tw, bars + 8 * (nk % n_st))
+            else:
+              self._issue(nk, pipe + (nk % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes,
+                          exps, ctl, n_copy, kpair_bar, src=src)
           _commit()
       p_out = pbuf + (kq % 2) * p_set if cutlass.const_expr(kpair) else None
       if cutlass.const_expr(per_bar % 2 == 0 and self.pair_test):
@@ -3312,6 +3344,15 @@ class RoleKernelsV2(v1.RoleKernelsV1):
                         per_bar, None if cutlass.const_expr(scws is None) else scws[q:q + 1])
     _wait_group(0)
     cute.arch.sync_threads()  # the pipeline area is free: the epilogue reuses it
+    if cutlass.const_expr(tw is not None):
+      tid, _, _ = cute.arch.thread_idx()
+      if tid == 0:
+        stuck = _lds(ctl + CTL_FAULT)
+        if stuck >= 0:
+          bid, _, _ = cute.arch.block_idx()
+          v1._record_fault(tw[2], 2, bid, tw[3], Int32(abi.WAIT_PIPE), stuck)
+        for s in cutlass.range_constexpr(n_st):
+          _mbar_inval(bars + 8 * s)
     if cutlass.const_expr(kpair):
       self._kpair_add(acc, pbuf + ((n_kb // per_bar - 1) % 2) * p_set, per_bar)
 
@@ -3565,6 +3606,26 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       self._stage(fast, nt, sb, scw, acc, single, ctl, pv, v1.SUBS * r)  # (``pv``: stage r's p from pv[4 r])
       if mid is not None and r == 0:
         self._issue_mid(*mid)
+
+  @cute.jit
+  def _issue_stage(self, kb: Int32, sb: Int32, slots: cutlass.Constexpr, pw_e: Int64, psc_e: Int64, row0: Int32,
+                   n_rows: cutlass.Constexpr, kb_n: cutlass.Constexpr, nblk: cutlass.Constexpr, planes: Int64,
+                   exps: Int64, ctl: Int32, n_copy: cutlass.Constexpr, src, tw, full: Int32):
+    """`RoleKernelsV2.tma_w`: `_issue`'s copies of block ``kb`` but the weights, and the weight tile by TMA from
+    thread 0, completing on the slot's ``full`` mbarrier."""
+    tid, _, _ = cute.arch.thread_idx()
+    self._issue(kb, sb, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl, n_copy, 0, src=src,
+                parts="x")
+    if tid == 0:
+      _tma_tile(sb, tw[0], 0, tw[1] + kb * n_rows, full)
+      _mbar_arrive_tx(full, W_BYTES)
+
+  @cute.jit
+  def _weights_landed(self, kb: Int32, full: Int32, tw, ctl: Int32, n_st: cutlass.Constexpr):
+    """`RoleKernelsV2.tma_w`: this thread waits for block ``kb``'s weight tile (its slot's ``full`` phase), bounded."""
+    par = (kb // n_st) & 1
+    if _mbar_try(full, par) == 0:
+      self._mbar_spin(full, par, tw[2], ctl, kb)
 
   @cute.jit
   def _issue_mid(self, kb: Int32, sb: Int32, pw_e: Int64, row0: Int32, n_rows: cutlass.Constexpr,
