@@ -442,6 +442,12 @@ def _tma_tile(dst, tmap, c0, c1, bar) -> None:
                        "[{$r1}, {{$r2}, {$r3}}], [{$r4}];", read_only_args=[dst, tmap, Int32(c0), Int32(c1), bar])
 
 
+def _slot_tma(tw, bars, kb, n_st: int):
+  """`_issue`'s ``tma`` for block ``kb`` of a `tma_w` pass (``tw``: `RoleKernelsV2._chunk`'s; None: the pass copies its
+  weights per thread): ``tw`` and the ``full`` mbarrier of the block's slot."""
+  return None if tw is None else (tw, bars + 8 * (kb % n_st))
+
+
 def _bulk(dst, src, nbytes: int, bar) -> None:
   """A bulk copy of ``nbytes`` (a multiple of 16, both addresses 16-aligned) global -> SMEM, through L2 (rows other
   CTAs wrote this call), completing bytes on ``bar``."""
@@ -3241,7 +3247,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     ``pre`` (an Int32, `w_early`): 1 where `_w_ahead` copied the prologue's weights and scale words already.
 
     ``tw`` (`RoleKernelsV2.tma_w`: the TensorMap, the tile's first row in it, the workspace and the epoch): the
-    weight tiles by TMA onto the slots' ``full`` mbarriers (`_issue_stage`, `_weights_landed`)."""
+    weight tiles by TMA onto the slots' ``full`` mbarriers (`_issue`, `_weights_landed`)."""
     slots = 8 * nt
     n_copy = 1 if cutlass.const_expr(single) else slots
     if cutlass.const_expr(kpair):
@@ -3262,12 +3268,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     bars = ctl + CTL_BARS
     for s in cutlass.range_constexpr(n_st - per_bar):
       if s < n_kb:
-        if cutlass.const_expr(tw is not None):
-          self._issue_stage(s, pipe + s * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl,
-                            n_copy, src, tw, bars + 8 * (s % n_st))
-        else:
-          self._issue(s, pipe + s * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl,
-                      n_copy, kpair_bar, None if cutlass.const_expr(pre is None) else 1 - pre, src)
+        self._issue(s, pipe + s * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl, n_copy,
+                    kpair_bar, None if cutlass.const_expr(pre is None) else 1 - pre, src,
+                    tma=_slot_tma(tw, bars, s, n_st))
       _commit()
     for kq in range(n_kb // per_bar):
       kb = kq * per_bar
@@ -3311,12 +3314,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         if kb + n_st - per_bar < n_kb:
           for q in cutlass.range_constexpr(per_bar):
             nk = kb + n_st - per_bar + q
-            if cutlass.const_expr(tw is not None):
-              self._issue_stage(nk, pipe + (nk % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk,
-                                planes, exps, ctl, n_copy, src, tw, bars + 8 * (nk % n_st))
-            else:
-              self._issue(nk, pipe + (nk % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes,
-                          exps, ctl, n_copy, kpair_bar, src=src)
+            self._issue(nk, pipe + (nk % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes,
+                        exps, ctl, n_copy, kpair_bar, src=src, tma=_slot_tma(tw, bars, nk, n_st))
             _commit()
         else:
           for q in cutlass.range_constexpr(per_bar):
@@ -3325,12 +3324,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         for q in cutlass.range_constexpr(per_bar):
           nk = kb + n_st - per_bar + q
           if nk < n_kb:
-            if cutlass.const_expr(tw is not None):
-              self._issue_stage(nk, pipe + (nk % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk,
-                                planes, exps, ctl, n_copy, src, tw, bars + 8 * (nk % n_st))
-            else:
-              self._issue(nk, pipe + (nk % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes,
-                          exps, ctl, n_copy, kpair_bar, src=src)
+            self._issue(nk, pipe + (nk % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes,
+                        exps, ctl, n_copy, kpair_bar, src=src, tma=_slot_tma(tw, bars, nk, n_st))
           _commit()
       p_out = pbuf + (kq % 2) * p_set if cutlass.const_expr(kpair) else None
       if cutlass.const_expr(per_bar % 2 == 0 and self.pair_test):
@@ -3608,19 +3603,6 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         self._issue_mid(*mid)
 
   @cute.jit
-  def _issue_stage(self, kb: Int32, sb: Int32, slots: cutlass.Constexpr, pw_e: Int64, psc_e: Int64, row0: Int32,
-                   n_rows: cutlass.Constexpr, kb_n: cutlass.Constexpr, nblk: cutlass.Constexpr, planes: Int64,
-                   exps: Int64, ctl: Int32, n_copy: cutlass.Constexpr, src, tw, full: Int32):
-    """`RoleKernelsV2.tma_w`: `_issue`'s copies of block ``kb`` but the weights, and the weight tile by TMA from
-    thread 0, completing on the slot's ``full`` mbarrier."""
-    tid, _, _ = cute.arch.thread_idx()
-    self._issue(kb, sb, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl, n_copy, 0, src=src,
-                parts="x")
-    if tid == 0:
-      _tma_tile(sb, tw[0], 0, tw[1] + kb * n_rows, full)
-      _mbar_arrive_tx(full, W_BYTES)
-
-  @cute.jit
   def _weights_landed(self, kb: Int32, full: Int32, tw, ctl: Int32, n_st: cutlass.Constexpr):
     """`RoleKernelsV2.tma_w`: this thread waits for block ``kb``'s weight tile (its slot's ``full`` phase), bounded."""
     par = (kb // n_st) & 1
@@ -3841,17 +3823,19 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   def _issue(self, kb: Int32, sb: Int32, slots: cutlass.Constexpr, pw_e: Int64, psc_e: Int64, row0: Int32,
              n_rows: cutlass.Constexpr, kb_n: cutlass.Constexpr, nblk: cutlass.Constexpr, planes: Int64,
              exps: Int64, ctl: Int32, n_copy: cutlass.Constexpr = -1, per_bar: cutlass.Constexpr = 0, w_on=None,
-             src=None, parts: cutlass.Constexpr = "all"):
+             src=None, parts: cutlass.Constexpr = "all", tma=None):
     """cp.async of K128 block ``kb`` into the stage at ``sb``: weights (swizzled), scales, B planes, exponents (of the
     first ``n_copy`` slots of the stage's ``slots``; -1: all). ``src``: this thread's sources from
-    `_copy_sources`, taken once per pass. ``parts`` "x" (`RoleKernelsV2.copy_mid`): all but the weights.
+    `_copy_sources`, taken once per pass. ``parts`` "x" (`RoleKernelsV2.copy_mid`): all but the weights. ``tma``
+    (`RoleKernelsV2.tma_w`: the pass's TensorMap data and the slot's ``full`` mbarrier, `_slot_tma`): the weights by
+    one TMA copy from thread 0 onto that mbarrier instead.
 
     ``per_bar`` > 0 (a `kpair` pass, its stages meeting at a barrier every ``per_bar``): ``kb`` is a stage of two
     half tiles, rows row0 .. row0 + 63 of K128 tile `kpair_tile` (kb, 0) as the stage's rows 0-63 and B slots 0 ..
     n_copy - 1, of tile (kb, 1) as rows 64-127 and slots 4 .. 3 + n_copy. ``w_on`` (an Int32, `w_early`): 0 leaves
     the weights and scales out, `_issue_w` copied them before the item's wait."""
     w_src, x_rows = (None, None) if cutlass.const_expr(src is None) else src
-    if cutlass.const_expr(parts == "x"):
+    if cutlass.const_expr(parts == "x" or tma is not None):
       assert w_on is None and w_src is not None and not per_bar
       self._issue_scales(kb, sb, psc_e, row0, kb_n, per_bar, w_src)
     elif cutlass.const_expr(w_on is None):
@@ -3860,6 +3844,12 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       if w_on != 0:
         self._issue_w(kb, sb, pw_e, psc_e, row0, n_rows, kb_n, per_bar, w_src)
     self._issue_x(kb, sb, slots, nblk, planes, exps, ctl, n_copy, per_bar, x_rows)
+    if cutlass.const_expr(tma is not None):
+      tid, _, _ = cute.arch.thread_idx()
+      if tid == 0:
+        (tmap, tile_row, _, _), full = tma
+        _tma_tile(sb, tmap, 0, tile_row + kb * n_rows, full)
+        _mbar_arrive_tx(full, W_BYTES)
 
   @cute.jit
   def _copy_sources(self, pw_e: Int64, psc_e: Int64, row0: Int32, kb_n: cutlass.Constexpr, n_copy: cutlass.Constexpr,
