@@ -971,8 +971,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # -1.1 % over B = 1-8 on the H100, docs/kernels_v2.md "The second stage's weights between the stages").
     # `GCMOE_ABLATION=copyburst`: all before them everywhere; `copymid`: between them in every routed variant (for
     # the A/B at B >= 16, not yet measured).
+    # (Not with `l2ahead`, whose weight copies take no source size: past the K loop they would read.)
     self.copy_mid = self.copy_block and self.pair_test and (
-        self.ablation == "copymid" or v.capacity <= 8 and self.ablation not in ("copyburst", "tmaw"))
+        self.ablation == "copymid" or v.capacity <= 8 and self.ablation not in ("copyburst", "tmaw", "l2ahead"))
     # GEMM2 items of 64 rows with K split between warp pairs at calls of up to `KPAIR_TOKENS` tokens (each expert up
     # to that many rows: the one- and two-row bodies): `GCMOE_ABLATION=kpair`, built to be checked and timed on a
     # GPU (docs/kernels_v2.md "Item balance"; its results should be exact). The routed variants of 16-row passes
@@ -3290,9 +3291,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       if cutlass.const_expr(self.ablation != "scalelate" and per_bar % 2 == 0 and self.pair_test):
         scws = tuple(self._scale_words(pipe + ((kb + q) % n_st) * st_bytes) for q in range(per_bar))
       mid = None
-      # (a step's stages all in range or all past the K loop: even depth and stage count)
+      # (a step's stages all in range or all past the K loop: even depth and stage count; the mid copies take their
+      # sources from `_copy_sources`, which `kpair` and `GCMOE_ABLATION=copyaddr` passes go without)
       whole_steps = per_bar > 1 and n_st % per_bar == 0 and n_kb % per_bar == 0
-      if cutlass.const_expr(self.copy_mid and per_bar == 2 and whole_steps):
+      if cutlass.const_expr(self.copy_mid and per_bar == 2 and whole_steps and src is not None):
         # The step's copies but the second stage's weights before its compute, those between its two stages
         # (`_stages`); the step's two commit groups are waited for together, so how its copies split between them
         # does not matter.
