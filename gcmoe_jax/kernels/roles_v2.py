@@ -971,9 +971,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # -1.1 % over B = 1-8 on the H100, docs/kernels_v2.md "The second stage's weights between the stages").
     # `GCMOE_ABLATION=copyburst`: all before them everywhere; `copymid`: between them in every routed variant (for
     # the A/B at B >= 16, not yet measured).
-    # (Not with `l2ahead`, whose weight copies take no source size: past the K loop they would read.)
     self.copy_mid = self.copy_block and self.pair_test and (
-        self.ablation == "copymid" or v.capacity <= 8 and self.ablation not in ("copyburst", "tmaw", "l2ahead"))
+        self.ablation == "copymid" or v.capacity <= 8 and self.ablation not in ("copyburst", "tmaw"))
     # GEMM2 items of 64 rows with K split between warp pairs at calls of up to `KPAIR_TOKENS` tokens (each expert up
     # to that many rows: the one- and two-row bodies): `GCMOE_ABLATION=kpair`, built to be checked and timed on a
     # GPU (docs/kernels_v2.md "Item balance"; its results should be exact). The routed variants of 16-row passes
@@ -3900,7 +3899,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       else:
         src = pw_e + (Int64(_stage_tile(kb, i, per_bar)) * n_rows + row0 + src_row) * v1.FP4_TILE_BYTES + col * 16
       if cutlass.const_expr(self.l2ahead):
-        _cp16_first(sb + row * 64 + ((col ^ ((row // 2) % 4)) << 4), src, Int32(16))
+        _cp16_first(sb + row * 64 + ((col ^ ((row // 2) % 4)) << 4), src, Int32(16) if nbytes is None else nbytes)
       else:
         _cp16(sb + row * 64 + ((col ^ ((row // 2) % 4)) << 4), src, Int32(16) if nbytes is None else nbytes)
     if cutlass.const_expr(scales):
