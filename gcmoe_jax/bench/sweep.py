@@ -54,8 +54,8 @@ from gcmoe_jax import api, formats, geometry, reference
 from gcmoe_jax.bench import baselines
 from gcmoe_jax.bench.problems import DEMO_SHAPE, make_routes
 
-__all__ = ["BASELINES", "IMPLS", "BenchShape", "Row", "default_impls", "expert_bytes", "measure_bandwidth",
-           "measure_fp8_rate", "model_shape", "plot", "run", "time_back_to_back", "time_marginal", "to_markdown",
+__all__ = ["BASELINES", "IMPLS", "BenchShape", "Row", "bandwidth_probes", "default_impls", "expert_bytes",
+           "measure_bandwidth", "measure_fp8_rate", "model_shape", "plot", "run", "time_back_to_back", "time_marginal", "to_markdown",
            "write_csv"]
 
 BASELINES = ("ragged_dot", "dense_gather")
@@ -181,21 +181,26 @@ def time_marginal(fn: Callable[..., Any], args: Sequence[Any], *, iters: int, wa
   return per_program, per_run
 
 
-def measure_bandwidth(nbytes: int | None = None, *, iters: int = 10, passes: int = 8) -> float:
-  """Device memory bandwidth in bytes/s: the faster of jitted copy passes and jitted read-only passes.
+def bandwidth_probes(nbytes: int | None = None, *, iters: int = 10, passes: int = 8,
+                     depth: int = 4) -> dict[str, float]:
+  """Device memory bandwidth in bytes/s by each probe (`measure_bandwidth` keeps the fastest).
 
   The copy (``x + 1``: read once, written once) is the usual probe on GPUs. On CPU, each call's output is a fresh
   allocation whose first touch page-faults, which caps the copy at a few GB/s; weight streaming only reads, so the
-  read pass (a scaled sum) is measured too, and the larger figure is kept (the floor stays a lower bound on time).
-  Each kind is timed as one pass per program and as ``passes`` dependent passes in a loop, whose programs spread
-  the dispatch and the host synchronisation of a call over the passes (one pass per call alone measured 2.2-3.3
-  TB/s on the H200, whose copies run at ~4.3 TB/s: a floor from it was up to 1.5x too generous); the fastest of
-  the four is kept.
+  read pass (a scaled sum) is measured too. Each kind is timed three ways: one pass per program (``"copy"``,
+  ``"read"``); ``passes`` dependent passes in a loop (``"copy x8"``...), whose programs spread the dispatch and the
+  host synchronisation of a call over the passes (one pass per call alone measured 2.2-3.3 TB/s on the H200, whose
+  copies run at ~4.3 TB/s: a floor from it was up to 1.5x too generous); and one pass per program back to back
+  (``"copy b2b"``, ``"read b2b"``: `time_marginal` over runs of ``depth`` and 2 ``depth`` programs, the way the
+  operators are timed, so neither a run's dispatch nor its final wait is in it: with the first two kinds alone one
+  H100 read 2670 and 2921 GB/s in two bench processes a minute apart, session 50). A back-to-back probe whose median
+  difference is not positive (a noisy host on a buffer the caches hold) is left out.
 
   Args:
     nbytes: buffer size; defaults to 1 GiB on accelerators (far beyond their caches) and 64 MiB on CPU.
-    iters: timed programs of each kind (median).
-    passes: passes over the buffer per timed program.
+    iters: timed programs, or pairs of runs, of each probe (median).
+    passes: passes over the buffer per program of the looped probes.
+    depth: programs in the shorter run of a back-to-back probe's pairs.
   """
   if nbytes is None:
     nbytes = (64 << 20) if jax.default_backend() == "cpu" else (1 << 30)
@@ -209,13 +214,25 @@ def measure_bandwidth(nbytes: int | None = None, *, iters: int = 10, passes: int
     return jax.jit(lambda a: jax.lax.fori_loop(0, n, lambda i, t: t + jnp.sum(a * (i + 1).astype(a.dtype)),
                                                jnp.zeros((), a.dtype)))
 
-  # Every probe is kept and the fastest wins (XLA:CPU runs the looped passes slower than single ones).
-  best = 0.0
+  out = {}
   for n in sorted({1, passes}):
-    for probe, traffic in ((copy(n), 2), (read(n), 1)):
+    for name, probe, traffic in (("copy", copy(n), 2), ("read", read(n), 1)):
       seconds = statistics.median(time_call(probe, (x,), iters=iters, warmup=2)) / n
-      best = max(best, traffic * x.nbytes / seconds)
-  return best
+      out[name if n == 1 else f"{name} x{n}"] = traffic * x.nbytes / seconds
+  # Back to back: each program's output is the next one's first argument (`time_marginal`), so the read pass
+  # carries its running sum.
+  read_b2b = jax.jit(lambda t, a: t + jnp.sum(a))
+  for name, probe, args, traffic in (("copy b2b", copy(1), (x,), 2), ("read b2b", read_b2b, (jnp.zeros(()), x), 1)):
+    seconds = statistics.median(time_marginal(probe, args, iters=iters, warmup=2, depth=depth)[0])
+    if seconds > 0:
+      out[name] = traffic * x.nbytes / seconds
+  return out
+
+
+def measure_bandwidth(nbytes: int | None = None, *, iters: int = 10, passes: int = 8) -> float:
+  """Device memory bandwidth in bytes/s: the fastest of `bandwidth_probes` (so the floor stays a lower bound on
+  time; XLA:CPU runs the looped passes slower than single ones, the GPU's single passes pay their dispatch)."""
+  return max(bandwidth_probes(nbytes, iters=iters, passes=passes).values())
 
 
 def measure_fp8_rate(n: int | None = None, *, iters: int = 10) -> float:
