@@ -55,8 +55,8 @@ from gcmoe_jax.bench import baselines
 from gcmoe_jax.bench.problems import DEMO_SHAPE, make_routes
 
 __all__ = ["BASELINES", "IMPLS", "BenchShape", "Row", "bandwidth_probes", "default_impls", "expert_bytes",
-           "measure_bandwidth", "measure_fp8_rate", "model_shape", "plot", "run", "time_back_to_back", "time_marginal", "to_markdown",
-           "write_csv"]
+           "measure_bandwidth", "measure_fp8_rate", "model_shape", "plot", "run", "time_back_to_back", "time_marginal",
+           "to_markdown", "write_csv"]
 
 BASELINES = ("ragged_dot", "dense_gather")
 IMPLS = (*BASELINES, "emulated", *(f"gcmoe:{b}" for b in api.BACKENDS if b != "auto"))
