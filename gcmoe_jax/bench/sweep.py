@@ -193,7 +193,8 @@ def bandwidth_probes(nbytes: int | None = None, *, iters: int = 10, passes: int 
   copies run at ~4.3 TB/s: a floor from it was up to 1.5x too generous); and one pass per program back to back
   (``"copy b2b"``, ``"read b2b"``: `time_marginal` over runs of ``depth`` and 2 ``depth`` programs, the way the
   operators are timed, so neither a run's dispatch nor its final wait is in it: with the first two kinds alone one
-  H100 read 2670 and 2921 GB/s in two bench processes a minute apart, session 50). A back-to-back probe whose median
+  H100 read 2670 and 2921 GB/s in two bench processes a minute apart; on another the back-to-back read gave
+  3124-3129 GB/s in nine readings where the looped one gave 2990-3009, session 50). A back-to-back probe whose median
   difference is not positive (a noisy host on a buffer the caches hold) is left out.
 
   Args:
