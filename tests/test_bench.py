@@ -244,6 +244,11 @@ def test_cli_writes_reports(tmp_path, capsys):
   out = capsys.readouterr()
   assert rc == 0
   assert "| ragged_dot | 2 |" in out.out and "measured memory bandwidth" in out.out
+  # Every probe's reading is printed, the fastest being the floor's bandwidth.
+  probes = dict(re.findall(r"(copy|read|copy x8|read x8|copy b2b|read b2b) ([0-9.]+)",
+                           out.out.split("bandwidth probes, GB/s (the fastest is the floor's): ")[1].splitlines()[0]))
+  floor_bw = float(re.search(r"measured memory bandwidth: ([0-9.]+) GB/s", out.out).group(1))
+  assert {"copy", "read"} <= set(probes) and max(map(float, probes.values())) == floor_bw
   assert "\r[" in out.err  # the progress bar
   assert (tmp_path / "bench_custom.csv").exists() and (tmp_path / "bench_custom.png").exists()
 

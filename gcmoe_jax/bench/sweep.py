@@ -54,9 +54,9 @@ from gcmoe_jax import api, formats, geometry, reference
 from gcmoe_jax.bench import baselines
 from gcmoe_jax.bench.problems import DEMO_SHAPE, make_routes
 
-__all__ = ["BASELINES", "IMPLS", "BenchShape", "Row", "bandwidth_probes", "default_impls", "expert_bytes",
-           "measure_bandwidth", "measure_fp8_rate", "model_shape", "plot", "run", "time_back_to_back", "time_marginal",
-           "to_markdown", "write_csv"]
+__all__ = ["BASELINES", "IMPLS", "BenchShape", "Row", "bandwidth_probes", "check_counts", "default_impls",
+           "expert_bytes", "measure_bandwidth", "measure_fp8_rate", "model_shape", "plot", "run", "time_back_to_back",
+           "time_marginal", "to_markdown", "write_csv"]
 
 BASELINES = ("ragged_dot", "dense_gather")
 IMPLS = (*BASELINES, "emulated", *(f"gcmoe:{b}" for b in api.BACKENDS if b != "auto"))
@@ -431,6 +431,18 @@ class Progress:
     self.stream.flush()
 
 
+def check_counts(batches: Sequence[int], *, iters: int, chain: int, back_to_back: int) -> None:
+  """Raises ValueError naming the first of `run`'s counts below 1."""
+  if any(b < 1 for b in batches):
+    raise ValueError(f"bench: batch sizes must be >= 1, got {list(batches)}")
+  if iters < 1:
+    raise ValueError(f"bench: iters must be >= 1, got {iters}")
+  if chain < 1:
+    raise ValueError(f"bench: chain must be >= 1, got {chain}")
+  if back_to_back < 1:
+    raise ValueError(f"bench: back_to_back must be >= 1, got {back_to_back}")
+
+
 def run(shape: BenchShape, batches: Sequence[int], impls: Sequence[str] | None = None, *, iters: int = 10,
         warmup: int = 2, seed: int = 0, bandwidth: float | None = None, bandwidth_nbytes: int | None = None,
         fp8_rate: float | None = None, chain: int = DEFAULT_CHAIN, back_to_back: int = DEFAULT_BACK_TO_BACK,
@@ -457,14 +469,7 @@ def run(shape: BenchShape, batches: Sequence[int], impls: Sequence[str] | None =
   """
   impls = tuple(default_impls() if impls is None else impls)
   check_impls(impls)
-  if any(b < 1 for b in batches):
-    raise ValueError(f"bench: batch sizes must be >= 1, got {list(batches)}")
-  if iters < 1:
-    raise ValueError(f"bench: iters must be >= 1, got {iters}")
-  if chain < 1:
-    raise ValueError(f"bench: chain must be >= 1, got {chain}")
-  if back_to_back < 1:
-    raise ValueError(f"bench: back_to_back must be >= 1, got {back_to_back}")
+  check_counts(batches, iters=iters, chain=chain, back_to_back=back_to_back)
   bar = Progress((bandwidth is None) + (fp8_rate is None) + len(batches) * len(impls)) if progress else None
   if bar and bandwidth is None:
     bar.step("measuring bandwidth")

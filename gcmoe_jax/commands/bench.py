@@ -171,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
     shape, batches = _shape(args)
     impls = args.impl or sweep.default_impls()
     sweep.check_impls(impls)
+    sweep.check_counts(batches, iters=args.iters, chain=args.chain, back_to_back=args.back_to_back)
   except (TypeError, ValueError, RuntimeError) as e:
     print(e, file=sys.stderr)
     return 2
@@ -181,10 +182,13 @@ def run(args: argparse.Namespace) -> int:
   print(f"B = {','.join(map(str, batches))}; impls = {','.join(impls)}; latency per layer: median over "
         f"{args.iters} pairs of runs of {args.back_to_back} and {2 * args.back_to_back} back-to-back "
         f"{args.chain}-layer programs (the difference), after {args.warmup} warm-up pairs")
+  probes = {}
+  if args.bandwidth is None:  # measured here, not in `sweep.run`, so that every probe's reading is printed
+    print("measuring the memory bandwidth", file=sys.stderr)
+    probes = sweep.bandwidth_probes(None if args.bandwidth_mib is None else args.bandwidth_mib << 20)
   try:
     rows = sweep.run(shape, batches, impls, iters=args.iters, warmup=args.warmup, seed=args.seed,
-                     bandwidth=None if args.bandwidth is None else args.bandwidth * 1e9,
-                     bandwidth_nbytes=None if args.bandwidth_mib is None else args.bandwidth_mib << 20,
+                     bandwidth=max(probes.values()) if probes else args.bandwidth * 1e9,
                      fp8_rate=None if args.fp8_tflops is None else args.fp8_tflops * 1e12, chain=args.chain,
                      back_to_back=args.back_to_back, max_gather_bytes=int(args.max_gather_gib * 2**30))
   except (TypeError, ValueError) as e:
@@ -195,7 +199,11 @@ def run(args: argparse.Namespace) -> int:
   how = "given" if args.bandwidth is not None else "measured"
   how_rate = "given" if args.fp8_tflops is not None else "measured"
   print(f"\n{how} memory bandwidth: {bw / 1e9:.1f} GB/s; {how_rate} dense FP8 GEMM rate: {rate / 1e12:.1f} TFLOP/s "
-        f"(floor = max(weight bytes touched / bandwidth, 6 H I per assignment / FP8 rate))\n")
+        f"(floor = max(weight bytes touched / bandwidth, 6 H I per assignment / FP8 rate))")
+  if probes:
+    print("bandwidth probes, GB/s (the fastest is the floor's): "
+          + ", ".join(f"{name} {v / 1e9:.1f}" for name, v in probes.items()))
+  print()
   print(sweep.to_markdown(rows))
   os.makedirs(args.out, exist_ok=True)
   stem = os.path.join(args.out, f"bench_{args.model}")
