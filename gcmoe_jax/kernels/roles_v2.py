@@ -961,16 +961,17 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # A paired step's copies under one range test (session 48: routed, 0.0-1.7 % faster at B = 1-8 on the H100; with
     # the shared expert within +-0.7 %, so those builds stay as they were). `GCMOE_ABLATION=copystep`: the form before.
     self.copy_block = not v.shared and self.ablation != "copystep"
-    # `GCMOE_ABLATION=tmaw` (timing, exact by construction): the per-thread producer's weight tiles by TMA, one
-    # instruction per stage from thread 0 completing on a `full` mbarrier per slot that every thread waits for beside
-    # its own copy groups; the scale words and B rows stay per thread, the CTA barrier still frees the slots. Takes
-    # four LDGSTS per thread and step out of the MIO queue (docs/kernels_v2.md).
+    # `GCMOE_ABLATION=tmaw` (timing; session 50: exact, 3.5-11 % slower at B = 1-8 on the H100, not kept): the
+    # per-thread producer's weight tiles by TMA, one instruction per stage from thread 0 completing on a `full` mbarrier
+    # per slot that every thread waits for beside its own copy groups; the scale words and B rows stay per thread, the
+    # CTA barrier still frees the slots. Takes four LDGSTS per thread and step out of the MIO queue
+    # (docs/kernels_v2.md).
     self.tma_w = not self.tma and not self.fused and self.ablation == "tmaw"
     # In those of capacity <= 8 (calls of B <= 8), a step's second stage takes its weight copies between the step's
     # two stages instead of before them, so the step's LDGSTS reach the MIO queue in two bursts (session 49: exact,
     # -1.1 % over B = 1-8 on the H100, docs/kernels_v2.md "The second stage's weights between the stages").
-    # `GCMOE_ABLATION=copyburst`: all before them everywhere; `copymid`: between them in every routed variant (for
-    # the A/B at B >= 16, not yet measured).
+    # `GCMOE_ABLATION=copyburst`: all before them everywhere; `copymid`: between them in every routed variant
+    # (session 50: exact, within the noise at B = 16-64 on the H100, so not the default there).
     self.copy_mid = self.copy_block and self.pair_test and (
         self.ablation == "copymid" or v.capacity <= 8 and self.ablation not in ("copyburst", "tmaw"))
     # GEMM2 items of 64 rows with K split between warp pairs at calls of up to `KPAIR_TOKENS` tokens (each expert up
