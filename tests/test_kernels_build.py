@@ -1096,6 +1096,24 @@ def test_the_tmaw_build_copies_the_weight_tiles_by_tma(cache, monkeypatch):
 
 @needs_dsl
 @pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
+@pytest.mark.parametrize("ablation", ["blocklanes", "blocklanes1"])
+def test_the_blocklanes_build_gives_each_lane_of_a_quad_a_block(cache, monkeypatch, ablation):
+  """GCMOE_ABLATION=blocklanes / blocklanes1 (timing, exact by construction, docs/kernels_v2.md "A K32 block per lane
+  of a quad"): its own key, roles 1 and 3 as they are; in role 2 the one-row bodies' extra MMA pair per block (X and
+  Y), the zeros of the padded B columns, fewer shuffles in the one-row stages (three a stage instead of four), the
+  same copies, and local memory within the ablation budget."""
+  normal, lanes = _role2_only_ablation(ablation, cache, monkeypatch, Variant(6144, 2048, 32, 8, 8))
+  a, b = _ptx(normal, 2), _ptx(lanes, 2)
+  assert b.count("mma.sync.aligned.m16n8k32") > a.count("mma.sync.aligned.m16n8k32")
+  assert b.count("st.shared.v4.u32") > a.count("st.shared.v4.u32")
+  assert b.count("shfl.sync.bfly") < a.count("shfl.sync.bfly")
+  for op in ("cp.async.cg.shared.global", "cp.async.ca.shared.global"):
+    assert a.count(op) == b.count(op) > 0, op
+  assert lanes["roles"][1]["spill_bytes"] <= build._ABLATION_SPILL_BUDGET[2]
+
+
+@needs_dsl
+@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
 def test_a_paired_steps_copies_take_one_range_test(cache, monkeypatch):
   """A paired step of a routed variant whose stages are all in range or all past the K loop issues their copies
   under one test, so that they lie in one basic block (docs/kernels_v2.md "A step's copies in one block",

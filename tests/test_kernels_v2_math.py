@@ -657,3 +657,49 @@ def test_kbany_passes_take_every_stage_once_and_keep_their_slots_and_ring(monkey
   monkeypatch.setenv("GCMOE_ABLATION", "kbanyeager")  # polls at every step with nothing to issue
   kern = r2.RoleKernelsV2(glm)
   assert kern.kbany and kern.kbany_rows == 2 and kern.any_poll_pending >= kern._any_stages(1) - 2
+
+
+def test_block_lane_body_gives_lane_t4_block_t4_and_sums_each_row_in_k_order():
+  """`GCMOE_ABLATION=blocklanes` (`roles_v2._stage`, `BL_X`): from a stage's B area holding garbage, the pass's zeros
+  (`block_lane_kept`) and the copies of slot 0's four blocks of digit planes (`block_lane_dst`), the four blocks'
+  MMAs into X and Y, in one chain per operand or in two (blocks 0-1, 2-3) added with the magic after, leave lane
+  (g, t4) the words MAGIC + S0 + 64 S1 and MAGIC + S2 of block t4 for rows g and g + 8; and the three shuffles and
+  selects give lane t4 = 0 row g's and lane t4 = 1 row g + 8's blocks in K order."""
+  rng = np.random.default_rng(51)
+  i32 = lambda v: ((np.asarray(v, np.int64) + 2**31) % 2**32 - 2**31)  # noqa: E731
+  a = rng.integers(-12, 13, size=(4, 16, 32))  # 2 w of block s, row r, k
+  planes = rng.integers(-32, 33, size=(4, 3, 32))  # digit plane p of block s
+  area = rng.integers(-128, 128, size=r2.BL_BYTES)  # what earlier passes left there
+  for c in range(r2.BL_CHUNKS):
+    if not r2.block_lane_kept(c):
+      area[16 * c:16 * c + 16] = 0
+  src = planes.reshape(-1)  # the source row's 4 x 96 bytes, as `_issue_x` copies them
+  for qq in range(4 * r2.BLOCK_BYTES // 16):
+    d = r2.block_lane_dst(qq)
+    area[d:d + 16] = src[16 * qq:16 * qq + 16]
+  col = lambda base, s: area[base + s * r2.BL_BLOCK:base + (s + 1) * r2.BL_BLOCK].reshape(8, 32).T  # noqa: E731
+  mma = lambda s, base: a[s] @ col(base, s)  # noqa: E731  (16 x 8: D[row][column])
+  one = ([sum(mma(s, r2.BL_X) for s in range(4))], [r2.MAGIC + sum(mma(s, r2.BL_Y) for s in range(4))])
+  two = ([mma(0, r2.BL_X) + mma(1, r2.BL_X), mma(2, r2.BL_X) + mma(3, r2.BL_X)],
+         [mma(0, r2.BL_Y) + mma(1, r2.BL_Y), mma(2, r2.BL_Y) + mma(3, r2.BL_Y)])
+  sums = np.einsum("srk,spk->srp", a, planes)  # S_p of block s, row r
+  for xs, ys in (one, two):
+    x = sum(xs)
+    y = sum(ys) + (r2.MAGIC if len(ys) == 2 else 0)
+    for g in range(8):
+      for t4 in range(4):
+        for h, row in enumerate((g, g + 8)):
+          t = i32(x[row, 2 * t4] * 64 + y[row, 2 * t4])
+          assert t == i32(r2.MAGIC + sums[t4, row, 0] + 64 * sums[t4, row, 1]), (g, t4, row)
+          assert i32(y[row, 2 * t4 + 1]) == i32(r2.MAGIC + sums[t4, row, 2]), (g, t4, row)
+  # The gather: lane t4 holds p of (block t4, row g) and (block t4, row g + 8).
+  lanes = [(g, t4) for g in range(8) for t4 in range(4)]
+  p = {(g, t4): (("p", t4, g), ("p", t4, g + 8)) for g, t4 in lanes}
+  odd = {k: k[1] & 1 for k in lanes}
+  send = {k: p[k][0] if odd[k] else p[k][1] for k in lanes}
+  own = {k: p[k][1] if odd[k] else p[k][0] for k in lanes}
+  ra, rb, rc = _shfl_xor(lanes, send, 1), _shfl_xor(lanes, own, 2), _shfl_xor(lanes, send, 3)
+  for k in lanes:
+    seq = ([ra[k], own[k], rc[k], rb[k]] if odd[k] else [own[k], ra[k], rb[k], rc[k]])
+    if k[1] < 2:
+      assert seq == [("p", s, k[0] + 8 * k[1]) for s in range(4)], k

@@ -213,6 +213,32 @@ assert all(PLANE_COLUMNS[n] == (2 if n >= 4 else n & 1) and PAIR_SLOT_COLUMNS[n]
 QUAD_SLOT_COLUMNS = (0, 0, 1, 1, 2, 2, 3, 3)
 QUAD_X_PLANES = (0, 1, 0, 1, 0, 1, 0, 1)
 assert all(QUAD_SLOT_COLUMNS[n] == n >> 1 and QUAD_X_PLANES[n] == n & 1 for n in range(8))
+# `GCMOE_ABLATION=blocklanes` (`RoleKernelsV2.block_lanes`): a one-row pass's B rows in zero-padded columns, X at
+# `BL_X` and Y at `BL_Y` of the stage's B area, each [block s][column n][32 B], where block s's MMAs find plane 1 in X's
+# column 2 s and planes 0 and 2 in Y's columns 2 s and 2 s + 1, and zeros in every other column (X's odd columns are
+# never read): chained over the stage's blocks, the accumulators leave lane t4 block t4's words for rows g and g + 8.
+BL_BLOCK = 8 * 32
+BL_X = 0
+BL_Y = 4 * BL_BLOCK
+BL_BYTES = 2 * BL_Y
+BL_CHUNKS = BL_BYTES // 16
+assert BL_BYTES <= 8 * TOKEN_STRIDE  # (within the 1-tile pass's B area)
+
+
+def block_lane_dst(qq):
+  """Where copy chunk ``qq`` (0-23: block qq // 6, plane (qq % 6) // 2, half qq % 2 of slot 0's four blocks of digit
+  planes, 16 B each) goes in the `BL_X` / `BL_Y` layout; plain integer arithmetic, so the kernel takes it of an Int32
+  and the tests of an int."""
+  s = qq // 6
+  p = (qq - 6 * s) // 2
+  not_x = p * p - 2 * p + 1  # 1 for planes 0 and 2 (Y), 0 for plane 1 (X)
+  return not_x * BL_Y + s * (BL_BLOCK + 64) + p * (p - 1) * 16 + (qq % 2) * 16
+
+
+def block_lane_kept(c):
+  """Whether 16 B chunk ``c`` (0 .. `BL_CHUNKS` - 1) of the layout is a copy's (`block_lane_dst`), not a zero one."""
+  r, s, n = c >> 6, (c >> 4) & 3, (c >> 1) & 7
+  return ((r == 0) & (n == 2 * s)) | ((r == 1) & ((n >> 1) == s))
 # The shared expert (`RoleKernelsV2._shared_core`): items of `SH_ROWS` weight rows x a token group, K streamed in
 # steps of `SH_STEP` K32 blocks (two K128 tiles; warp w: the m16 tile w & 3 of the rows and the K128 tile w >> 2 of the
 # step; a half of 32 rows takes four tiles per step), double-buffered by cp.async. The FP8 x FP8 block dots
@@ -974,6 +1000,11 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # (session 50: exact, within the noise at B = 16-64 on the H100, so not the default there).
     self.copy_mid = self.copy_block and self.pair_test and (
         self.ablation == "copymid" or v.capacity <= 8 and self.ablation not in ("copyburst", "tmaw"))
+    # `GCMOE_ABLATION=blocklanes` (timing): the one-row body with a K32 block per lane of a quad (`_stage`, `BL_X`);
+    # `blocklanes1`: the same with one MMA chain per operand instead of two. Session 51 on the H100: exact, and 3-12 %
+    # slower at B = 1-8 although the fast one-row body is up to 8 % shorter (docs/kernels_v2.md), so not kept.
+    self.block_lanes = self.single and not self.fused and self.ablation in ("blocklanes", "blocklanes1")
+    self.bl_chains = 1 if self.ablation == "blocklanes1" else 2
     # GEMM2 items of 64 rows with K split between warp pairs at calls of up to `KPAIR_TOKENS` tokens (each expert up
     # to that many rows: the one- and two-row bodies): `GCMOE_ABLATION=kpair`, built to be checked and timed on a
     # GPU (docs/kernels_v2.md "Item balance"; its results should be exact). The routed variants of 16-row passes
@@ -3267,6 +3298,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     if cutlass.const_expr(not kpair and self.ablation != "copyaddr"):
       src = self._copy_sources(pw_e, psc_e, row0, kb_n, n_copy, ctl)
     bars = ctl + CTL_BARS
+    if cutlass.const_expr(single == 1 and self.block_lanes):
+      self._block_lane_zeros(pipe, n_st, st_bytes)
     for s in cutlass.range_constexpr(n_st - per_bar):
       if s < n_kb:
         self._issue(s, pipe + s * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl, n_copy,
@@ -3352,6 +3385,19 @@ class RoleKernelsV2(v1.RoleKernelsV1):
           _mbar_inval(bars + 8 * s)
     if cutlass.const_expr(kpair):
       self._kpair_add(acc, pbuf + ((n_kb // per_bar - 1) % 2) * p_set, per_bar)
+
+  @cute.jit
+  def _block_lane_zeros(self, pipe: Int32, n_st: cutlass.Constexpr, st_bytes: cutlass.Constexpr):
+    """Zeros in the `BL_X` / `BL_Y` columns of every stage that no copy of a one-row pass writes (`block_lanes`). The
+    previous pass's stages and epilogue are done (the barrier at the end of each chunk), no copy targets these
+    bytes, and the K loop's first barrier orders these stores before any warp's loads."""
+    tid, _, _ = cute.arch.thread_idx()
+    c = tid % BL_CHUNKS
+    if cutlass.select_(block_lane_kept(c), Int32(0), Int32(1)) != 0:
+      for i in cutlass.range_constexpr((n_st * BL_CHUNKS + THREADS - 1) // THREADS):
+        st = (tid + i * THREADS) // BL_CHUNKS
+        if st < n_st:
+          _sts4(pipe + st * st_bytes + W_BYTES + SC_BYTES + 8 * 16 + c * 16, 0, 0, 0, 0)
 
   @cute.jit
   def _any_mainloop(self, rows: cutlass.Constexpr, e: Int32, pw_e: Int64, psc_e: Int64, row0: Int32, planes: Int64,
@@ -3711,7 +3757,41 @@ class RoleKernelsV2(v1.RoleKernelsV1):
           df = _fma(sf, F32_4096, tf)  # f32(D), rounded once (= cvt.rn.f32.s32 of D)
           acc[4 * i + c] = _scaled_add(fast, df, xw, wb[c // 2], acc[4 * i + c])
 
-    if cutlass.const_expr(single == 1):
+    if cutlass.const_expr(single == 1 and self.block_lanes and pv is None):
+      # `block_lanes`: B from the `BL_X` / `BL_Y` columns, zero but in block s's own, so the blocks' MMA pairs chain
+      # into X (S1 in column 2 s) and Y (MAGIC + S0, MAGIC + S2 in columns 2 s, 2 s + 1) and lane t4 ends with block
+      # t4's words of rows g (c 0, 1) and g + 8 (c 2, 3). ``bl_chains`` 2: blocks 0-1 and 2-3 in chains of their own
+      # from zero, added after with the magic (each holds zeros in the other's columns; one IADD3 per Y word). Each
+      # lane then runs one epilogue per row, and lane t4 = 0 (row g) and 1 (row g + 8) gather the four blocks' p
+      # from their quad by three shuffles and add them in K order: the bits of the body below (on the fast path
+      # fadd(acc, p) rounds as its FMA, p being exact and normal).
+      xb = sb + xp_off + g * 32 + 8 * t4
+      xs = [zero4] * self.bl_chains
+      ys = [magic4] if cutlass.const_expr(self.bl_chains == 1) else [zero4] * self.bl_chains
+      for s in cutlass.range_constexpr(v1.SUBS):
+        a_pos, a_neg = _split_fragments(words, s, tabs)
+        h = s * self.bl_chains // v1.SUBS
+        xs[h] = _split_mma(a_pos, a_neg, _lds2(xb + BL_X + s * BL_BLOCK), xs[h])
+        ys[h] = _split_mma(a_pos, a_neg, _lds2(xb + BL_Y + s * BL_BLOCK), ys[h])
+      x, y = xs[0], ys[0]
+      if cutlass.const_expr(self.bl_chains == 2):
+        x = (x[0] + xs[1][0], None, x[2] + xs[1][2], None)
+        y = tuple(y[c] + ys[1][c] + MAGIC for c in range(4))
+      xw = _lds(sb + xe_off + 4 * t4)  # slot 0's exponent word of block t4
+      pick = 0x4440 + t4  # (`_scale_byte` of byte t4)
+      p = [_scaled_p(fast, _fma(v1._fadd(y[2 * r + 1], MAGIC_NEG), F32_4096,
+                                v1._fadd(_digit_pair(y[2 * r], x[2 * r]), MAGIC_NEG)),
+                     xw, _prmt(scw[r], 0, pick)) for r in range(2)]
+      odd = (t4 & 1) != 0
+      send = cutlass.select_(odd, p[0], p[1])
+      own = cutlass.select_(odd, p[1], p[0])
+      ra = _shfl_xor(send, 1)  # t4 = 0 <- block 1 of row g, t4 = 1 <- block 0 of row g + 8
+      rb = _shfl_xor(own, 2)  # t4 = 0 <- block 2 of row g, t4 = 1 <- block 3 of row g + 8
+      rc = _shfl_xor(send, 3)  # t4 = 0 <- block 3 of row g, t4 = 1 <- block 2 of row g + 8
+      for v in (cutlass.select_(odd, ra, own), cutlass.select_(odd, own, ra), cutlass.select_(odd, rc, rb),
+                cutlass.select_(odd, rb, rc)):
+        acc[0] = v1._fadd(acc[0], v)
+    elif cutlass.const_expr(single == 1):
       # Columns 0 and 2 hold plane 0, 1 and 3 plane 1, 4-7 plane 2 (lane g reads the plane of column g), so lane
       # t4 = 0 holds S0, S1 of row g and lane t4 = 1 those of row g + 8, and lanes t4 = 2, 3 hold S2 of both rows:
       # one shuffle brings each its S2, and lane t4 = 0 computes row g, lane t4 = 1 row g + 8 (in acc[0]; the pass
@@ -3875,6 +3955,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       # (clamped slot indices: a thread past the copies reads a valid word it never uses, without a branch)
       x_rows = (_lds(ctl + CTL_SLOT_SRC + cutlass.min(tid, n_copy - 1) * 4),
                 _lds(ctl + CTL_SLOT_SRC + cutlass.min(tid // per_slot, n_copy - 1) * 4))
+      if cutlass.const_expr(self.block_lanes and n_copy == 1):
+        x_rows = (*x_rows, block_lane_dst(tid))  # (`BL_X`: a one-row pass's plane chunk, placed once per pass)
     return (tuple(w), sc), x_rows
 
   @cute.jit
@@ -3960,6 +4042,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
           at = 4 * half + slot
         src_row = _lds(ctl + CTL_SLOT_SRC + slot * 4) if cutlass.const_expr(x_rows is None) else x_rows[1]
         dst = sb + xp_off + at * self.token_stride + qq * 16
+        if cutlass.const_expr(x_rows is not None and len(x_rows) == 3):
+          dst = sb + xp_off + x_rows[2]  # (`block_lanes`: a one-row pass, `BL_X`)
         if cutlass.const_expr(self.qmma):
           src = planes + (Int64(cutlass.max(src_row, 0)) * nblk + 4 * kb + qq // 2) * BLOCK_BYTES + (qq % 2) * 16
         else:
