@@ -1114,6 +1114,23 @@ def test_the_blocklanes_build_gives_each_lane_of_a_quad_a_block(cache, monkeypat
 
 @needs_dsl
 @pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
+def test_the_threecta_build_fits_three_ctas_with_the_one_and_two_row_bodies(cache, monkeypatch):
+  """GCMOE_ABLATION=threecta (timing, docs/kernels_v2.md "Three CTAs per SM for B <= 2"): every pass of one or two
+  rows, so role 2 holds only the one- and two-row bodies and fits three CTAs per SM (80 registers, the third pipeline
+  area): its own key, roles 1 and 3 as they are, fewer MMAs in role 2 (no 1-tile or four-row body), the same kinds of
+  copies, and local memory within the ablation budget."""
+  normal, three = _role2_only_ablation("threecta", cache, monkeypatch, Variant(6144, 2048, 32, 8, 8))
+  role = three["roles"][1]
+  assert role["ctas_per_sm"] == 3 and role["registers"] <= 80, role
+  a, b = _ptx(normal, 2), _ptx(three, 2)
+  assert 0 < b.count("mma.sync.aligned.m16n8k32") < a.count("mma.sync.aligned.m16n8k32")
+  for op in ("cp.async.cg.shared.global", "cp.async.ca.shared.global"):
+    assert b.count(op) > 0, op
+  assert role["spill_bytes"] <= build._ABLATION_SPILL_BUDGET[2]
+
+
+@needs_dsl
+@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
 def test_a_paired_steps_copies_take_one_range_test(cache, monkeypatch):
   """A paired step of a routed variant whose stages are all in range or all past the K loop issues their copies
   under one test, so that they lie in one basic block (docs/kernels_v2.md "A step's copies in one block",

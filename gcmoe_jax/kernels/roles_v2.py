@@ -159,9 +159,10 @@ assert CTL_G1SLOW + 4 <= CTL_FAULT
 # in the layout `_weight_words` reads (16 B chunk c of row r at c ^ ((r >> 1) & 3)) only from a 512-aligned base.
 STAGE_ALIGN = 1024
 STATIC_SMEM = 1024  # a role kernel's static SMEM as the DSL emits it (the build reports it; `build-kernels --report`)
-# The pipeline area by CTAs per SM (1, 2), of which role 2 takes a whole number of its widest pass's stages: 4 of 64
-# rows at one CTA; 6 of 16 rows or 4 of 32 at two (all 96 KB at 32 rows left ptxas a spill reload in the stage loops).
-PIPE_AREA = (147456, 98304)
+# The pipeline area by CTAs per SM (1, 2, 3), of which role 2 takes a whole number of its widest pass's stages: 4 of
+# 64 rows at one CTA; 6 of 16 rows or 4 of 32 at two (all 96 KB at 32 rows left ptxas a spill reload in the stage
+# loops); at three (`GCMOE_ABLATION=threecta` only) 6 of 8 rows, the SM's 228 KB with the control area.
+PIPE_AREA = (147456, 98304, 73728)
 
 # The fast path needs n + 127 in [1, 226] for every element: 2**n normal, f32(D) * 2**n exact and finite. It is
 # taken when every weight scale byte of the stage is in [64, 191] (bits 7 and 6 differ) and no row of the chunk is
@@ -303,6 +304,8 @@ def pass_tier(v: Variant, qmma: bool = False, ablation: str = "") -> tuple[int, 
   else one and 64 rows."""
   if qmma and v.shared:
     return NT_MAX, 1
+  if ablation == "threecta" and not qmma and not v.shared and v.ranks == 1:
+    return 1, 3  # (`RoleKernelsV2.three_cta`: passes of one or two rows, `PIPE_AREA`[2])
   return abi.pass_tier(v.capacity, v.top_k, v.experts, ablation, by_rows=not qmma and v.ranks == 1)
 
 
@@ -1000,6 +1003,11 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # (session 50: exact, within the noise at B = 16-64 on the H100, so not the default there).
     self.copy_mid = self.copy_block and self.pair_test and (
         self.ablation == "copymid" or v.capacity <= 8 and self.ablation not in ("copyburst", "tmaw"))
+    # `GCMOE_ABLATION=threecta` (timing; built in session 51, not yet run): three CTAs per SM at 80 registers in the
+    # routed one-GPU variants, every pass of one or two rows (an expert's rows two at a time: exact at any B, meant for
+    # B <= 2, where no expert has more), so that only the one- and two-row bodies are in the kernel (docs/kernels_v2.md
+    # "Three CTAs per SM for B <= 2").
+    self.three_cta = self.ctas == 3
     # `GCMOE_ABLATION=blocklanes` (timing): the one-row body with a K32 block per lane of a quad (`_stage`, `BL_X`);
     # `blocklanes1`: the same with one MMA chain per operand instead of two. Session 51 on the H100: exact, and 3-12 %
     # slower at B = 1-8 although the fast one-row body is up to 8 % shorter (docs/kernels_v2.md), so not kept.
@@ -2777,6 +2785,15 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         else:
           self._chunk(g2, 1, e, j, Int32(0), count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap, 2, True)
         n_end = Int32(0)
+    if cutlass.const_expr(self.three_cta):
+      # (`three_cta`: an expert's rows in passes of two, the last of one if their number is odd; each pass sees its
+      # own rows only, the rest of its slots padding, which it neither reads nor writes)
+      for n0 in range(0, n_end, 2):
+        if count - n0 == 1:
+          self._chunk(g2, 1, e, j, n0, count, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap, 1, pre=pre)
+        else:
+          self._chunk(g2, 1, e, j, n0, n0 + 2, rwb, pw, psc, wsb, c_bits, cur, ctl, pipe, tmap, 2, pre=pre)
+      n_end = Int32(0)
     for n0 in range(0, n_end, 8 * self.nt_max):
       rem = cutlass.min(count - n0, 8 * self.nt_max)
       if rem <= 8:
@@ -3282,6 +3299,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     weight tiles by TMA onto the slots' ``full`` mbarriers (`_issue`, `_weights_landed`)."""
     slots = 8 * nt
     n_copy = 1 if cutlass.const_expr(single) else slots
+    if cutlass.const_expr(single == 2 and self.three_cta):
+      n_copy = 2  # (a two-row pass of its own, `three_cta`: both slots' B rows)
     if cutlass.const_expr(kpair):
       n_copy = single
     n_kb = kb_n // 2 if cutlass.const_expr(kpair) else kb_n  # stages
