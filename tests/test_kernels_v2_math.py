@@ -688,7 +688,7 @@ def test_block_lane_body_gives_lane_t4_block_t4_and_sums_each_row_in_k_order():
     y = sum(ys) + (r2.MAGIC if len(ys) == 2 else 0)
     for g in range(8):
       for t4 in range(4):
-        for h, row in enumerate((g, g + 8)):
+        for row in (g, g + 8):
           t = i32(x[row, 2 * t4] * 64 + y[row, 2 * t4])
           assert t == i32(r2.MAGIC + sums[t4, row, 0] + 64 * sums[t4, row, 1]), (g, t4, row)
           assert i32(y[row, 2 * t4 + 1]) == i32(r2.MAGIC + sums[t4, row, 2]), (g, t4, row)
