@@ -131,12 +131,14 @@ def test_item_stats_separate_the_kinds():
 
 def test_sm_sharing_splits_the_first_gemm1_items_by_their_sms_other_ctas():
   """Word 5 of a CTA's record is its SM (``%smid`` + 1): CTAs 0 and 1 on SM 5 begin with GEMM1 items (40 and 44 us),
-  CTA 2 on SM 6 with one (25 us) beside CTA 3, which begins with a GEMM2 item and then takes a GEMM1 item (30 us)."""
+  CTA 2 on SM 6 with one (25 us) beside CTA 3, which begins with a GEMM2 item and then takes a GEMM1 item (30 us);
+  CTAs 4-6 on SM 7 begin with GEMM1 items (50, 52, 54 us: three CTAs per SM)."""
   w = np.zeros(abi.TL_CALL_WORDS, np.uint64)
   t0 = 10**12
   w[:5] = [t0, t0 + 1000, t0 + 200_000, t0 + 201_000, 3]
   ctas = {0: (5, [(0, 1_000, 1_000, 41_000)]), 1: (5, [(1, 1_000, 1_000, 45_000)]),
-          2: (6, [(2, 1_000, 1_000, 26_000)]), 3: (6, [(9, 1_000, 30_000, 40_000), (3, 40_000, 40_000, 70_000)])}
+          2: (6, [(2, 1_000, 1_000, 26_000)]), 3: (6, [(9, 1_000, 30_000, 40_000), (3, 40_000, 40_000, 70_000)]),
+          4: (7, [(0, 1_000, 1_000, 51_000)]), 5: (7, [(1, 1_000, 1_000, 53_000)]), 6: (7, [(2, 1_000, 1_000, 55_000)])}
   for b, (sm, rec) in ctas.items():
     base = abi.TL_HEAD + b * abi.TL_CTA_WORDS
     w[base:base + 6] = [t0 + 100, t0 + 500, t0 + 900, t0 + 80_000, len(rec), sm + 1]
@@ -144,11 +146,12 @@ def test_sm_sharing_splits_the_first_gemm1_items_by_their_sms_other_ctas():
       w[base + 8 + 4 * i:base + 12 + 4 * i] = [item, t0 + start, t0 + mma, t0 + end]
   s = timeline.sm_sharing(w, gemm1_items=4)  # items 0-3 GEMM1
   assert s.alone.tolist() == [25.0] and sorted(s.beside.tolist()) == [40.0, 44.0]
-  assert s.per_sm == {5: 42.0, 6: 27.5}
+  assert sorted(s.crowded.tolist()) == [50.0, 52.0, 54.0]
+  assert s.per_sm == {5: 42.0, 6: 27.5, 7: 52.0}
   table = timeline.sharing_markdown([(1, [s, s])])
-  assert "| 1 | 2, 25.0 | 4, 42.0 | 27.5-42.0, 2 |" in table
+  assert "| 1 | 2, 25.0 | 4, 42.0 | 6, 52.0 | 27.5-52.0, 3 |" in table
   none = timeline.SmSharing(np.zeros(0), np.zeros(0), {})  # (a call whose CTAs began with no GEMM1 item)
-  assert "| 2 | 0, - | 0, - | -, 0 |" in timeline.sharing_markdown([(2, [none])])
+  assert "| 2 | 0, - | 0, - | 0, - | -, 0 |" in timeline.sharing_markdown([(2, [none])])
   for b in ctas:  # a build before the SM word: nothing to split
     w[abi.TL_HEAD + b * abi.TL_CTA_WORDS + 5] = 0
   assert timeline.sm_sharing(w, 4) is None

@@ -169,12 +169,14 @@ def item_stats(words: np.ndarray, ranges: dict[str, tuple[int, int]]) -> list[It
 @dataclasses.dataclass
 class SmSharing:
   """Routed GEMM1 items by what ran beside them on their SM (``%smid``, word 5 of a CTA's record): the durations
-  (us) of those that were their CTA's first item, ``alone`` where no other CTA on the SM began with a GEMM1 item and
-  ``beside`` where one did; and ``per_sm``, the median duration of every recorded GEMM1 item per SM."""
+  (us) of those that were their CTA's first item, ``alone`` where no other CTA on the SM began with a GEMM1 item,
+  ``beside`` where one did and ``crowded`` where two or more did (three CTAs per SM: `GCMOE_ABLATION=threecta`); and
+  ``per_sm``, the median duration of every recorded GEMM1 item per SM."""
 
   alone: np.ndarray
   beside: np.ndarray
   per_sm: dict[int, float]
+  crowded: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
 
 
 def sm_sharing(words: np.ndarray, gemm1_items: int | tuple[int, int]) -> SmSharing | None:
@@ -193,17 +195,19 @@ def sm_sharing(words: np.ndarray, gemm1_items: int | tuple[int, int]) -> SmShari
   first = in_g1[:, 0]
   starts = np.bincount(sm[first], minlength=int(sm.max()) + 1)  # CTAs per SM that began with a GEMM1 item
   per_sm = {int(m): float(np.median(dur[sm == m][in_g1[sm == m]])) for m in np.unique(sm) if in_g1[sm == m].any()}
-  return SmSharing(dur[first & (starts[sm] == 1), 0], dur[first & (starts[sm] > 1), 0], per_sm)
+  return SmSharing(dur[first & (starts[sm] == 1), 0], dur[first & (starts[sm] == 2), 0], per_sm,
+                   dur[first & (starts[sm] > 2), 0])
 
 
 def sharing_markdown(rows: Sequence[tuple[int, list[SmSharing]]]) -> str:
-  """A line per batch over its layers' `SmSharing`: the first GEMM1 items alone on their SM and beside another
-  (count, median us), and the range of the per-SM medians."""
+  """A line per batch over its layers' `SmSharing`: the first GEMM1 items alone on their SM, beside another and
+  beside two or more (count, median us), and the range of the per-SM medians."""
   out = ["| B | GEMM1 items alone on their SM (n, median us) | beside another GEMM1 item (n, median us) | "
-         "per-SM medians (min-max us, SMs) |", "| --- " * 4 + "|"]
+         "beside two or more (n, median us) | per-SM medians (min-max us, SMs) |", "| --- " * 5 + "|"]
   for b, layers in rows:
     alone = np.concatenate([x.alone for x in layers])
     beside = np.concatenate([x.beside for x in layers])
+    crowded = np.concatenate([x.crowded for x in layers])
     per_sm = {}
     for x in layers:
       for m, v in x.per_sm.items():
@@ -211,7 +215,7 @@ def sharing_markdown(rows: Sequence[tuple[int, list[SmSharing]]]) -> str:
     meds = [float(np.median(v)) for v in per_sm.values()]
     f = lambda d: f"{d.size}, {np.median(d):.1f}" if d.size else "0, -"
     span = f"{min(meds):.1f}-{max(meds):.1f}, {len(meds)}" if meds else "-, 0"
-    out.append(f"| {b} | {f(alone)} | {f(beside)} | {span} |")
+    out.append(f"| {b} | {f(alone)} | {f(beside)} | {f(crowded)} | {span} |")
   return "\n".join(out)
 
 
