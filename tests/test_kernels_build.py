@@ -1131,6 +1131,22 @@ def test_the_threecta_build_fits_three_ctas_with_the_one_and_two_row_bodies(cach
 
 @needs_dsl
 @pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
+def test_the_scpair_build_copies_a_steps_two_scale_words_of_a_row_at_once(cache, monkeypatch):
+  """GCMOE_ABLATION=scpair (timing, docs/kernels_v2.md "A paired step's scale words by one 8-B copy"): every 4-B
+  scale-word copy of the routed capacity-8 variant's paired steps becomes half as many 8-B ones, the weights' and B
+  rows' 16-B copies and the MMAs as they were, and the words read back by 8-B loads."""
+  normal, pair = _role2_only_ablation("scpair", cache, monkeypatch, Variant(6144, 2048, 32, 8, 8))
+  a, b = _ptx(normal, 2), _ptx(pair, 2)
+  four, eight = (re.compile(rf"cp\.async\.ca\.shared\.global [^;]*, {n};") for n in (4, 8))
+  assert len(four.findall(a)) == 2 * len(eight.findall(b)) > 0 and not four.findall(b) and not eight.findall(a)
+  for op in ("cp.async.cg.shared.global", "mma.sync.aligned.m16n8k32"):
+    assert a.count(op) == b.count(op) > 0, op
+  assert b.count("ld.shared.v2.u32") > a.count("ld.shared.v2.u32")
+  assert pair["roles"][1]["spill_bytes"] <= build._ABLATION_SPILL_BUDGET[2]
+
+
+@needs_dsl
+@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
 def test_a_paired_steps_copies_take_one_range_test(cache, monkeypatch):
   """A paired step of a routed variant whose stages are all in range or all past the K loop issues their copies
   under one test, so that they lie in one basic block (docs/kernels_v2.md "A step's copies in one block",

@@ -424,6 +424,10 @@ def _cp4(dst, src) -> None:
   cute.arch.inline_ptx("cp.async.ca.shared.global [{$r0}], [{$r1}], 4;", read_only_args=[dst, src])
 
 
+def _cp8(dst, src) -> None:
+  cute.arch.inline_ptx("cp.async.ca.shared.global [{$r0}], [{$r1}], 8;", read_only_args=[dst, src])
+
+
 def _commit() -> None:
   cute.arch.inline_ptx("cp.async.commit_group;", read_only_args=[])
 
@@ -1003,11 +1007,15 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # (session 50: exact, within the noise at B = 16-64 on the H100, so not the default there).
     self.copy_mid = self.copy_block and self.pair_test and (
         self.ablation == "copymid" or v.capacity <= 8 and self.ablation not in ("copyburst", "tmaw"))
-    # `GCMOE_ABLATION=threecta` (timing; built in session 51, not yet run): three CTAs per SM at 80 registers in the
-    # routed one-GPU variants, every pass of one or two rows (an expert's rows two at a time: exact at any B, meant for
-    # B <= 2, where no expert has more), so that only the one- and two-row bodies are in the kernel (docs/kernels_v2.md
-    # "Three CTAs per SM for B <= 2").
+    # `GCMOE_ABLATION=threecta` (timing): three CTAs per SM at 80 registers in the routed one-GPU variants, every pass
+    # of one or two rows (an expert's rows two at a time: exact at any B, meant for B <= 2, where no expert has more),
+    # so that only the one- and two-row bodies are in the kernel. Session 52 on the H100: exact, 18-42 % slower at B =
+    # 1-2; an SM's pace does not grow with a third CTA (docs/kernels_v2.md "Three CTAs per SM for B <= 2").
     self.three_cta = self.ctas == 3
+    # `GCMOE_ABLATION=scpair` (timing, session 52): a paired step's two scale words of a row by one 8-B copy
+    # (`_issue_scale_pair`, `_scale_pair_words`), where each took a 4-B one: a stage's 128 scale copies each touch a
+    # sector of their own (a row's words are K/128 words apart), twice the L2 requests of its 8 KB of weights.
+    self.sc_pair = self.copy_block and self.pair_test and self.compact and self.ablation == "scpair"
     # `GCMOE_ABLATION=blocklanes` (timing): the one-row body with a K32 block per lane of a quad (`_stage`, `BL_X`);
     # `blocklanes1`: the same with one MMA chain per operand instead of two. Session 51 on the H100: exact, and 3-12 %
     # slower at B = 1-8 although the fast one-row body is up to 8 % shorter (docs/kernels_v2.md), so not kept.
@@ -3299,10 +3307,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     weight tiles by TMA onto the slots' ``full`` mbarriers (`_issue`, `_weights_landed`)."""
     slots = 8 * nt
     n_copy = 1 if cutlass.const_expr(single) else slots
-    if cutlass.const_expr(single == 2 and self.three_cta):
-      n_copy = 2  # (a two-row pass of its own, `three_cta`: both slots' B rows)
-    if cutlass.const_expr(kpair):
-      n_copy = single
+    if cutlass.const_expr(kpair or (self.three_cta and single)):
+      n_copy = single  # (`three_cta`: a two-row pass of its own copies both slots' B rows)
     n_kb = kb_n // 2 if cutlass.const_expr(kpair) else kb_n  # stages
     tabs = ctl if cutlass.const_expr(self.smem_tables) else None
     # Narrow passes meet at a barrier every TWO stages (`PAIRED_BARRIER_NT`): their stages are short (a one-row
@@ -3319,11 +3325,17 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     bars = ctl + CTL_BARS
     if cutlass.const_expr(single == 1 and self.block_lanes):
       self._block_lane_zeros(pipe, n_st, st_bytes)
+    # (`sc_pair`: whole paired steps, so that a step's first stage is even and its slot's successor holds the second;
+    # an even K/128 for 8-B aligned word pairs)
+    scp = (self.sc_pair and per_bar == 2 and n_st % 2 == 0 and n_kb % 2 == 0 and kb_n % 2 == 0 and src is not None
+           and not kpair and tw is None and pre is None)
     for s in cutlass.range_constexpr(n_st - per_bar):
       if s < n_kb:
         self._issue(s, pipe + s * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl, n_copy,
                     kpair_bar, None if cutlass.const_expr(pre is None) else 1 - pre, src,
-                    tma=_slot_tma(tw, bars, s, n_st))
+                    tma=_slot_tma(tw, bars, s, n_st), scales=not scp)
+        if cutlass.const_expr(scp and s % 2 == 0):
+          self._issue_scale_pair(s, pipe + s * st_bytes, st_bytes, src[0][1])
       _commit()
     for kq in range(n_kb // per_bar):
       kb = kq * per_bar
@@ -3340,7 +3352,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       # where the step's stages take one fast-path test (`pair_test`): in the shared-expert variants the words held
       # across the copies cost ptxas 92 B of spills at the two-CTA cap (GLM5.2 T8).
       scws = None
-      if cutlass.const_expr(self.ablation != "scalelate" and per_bar % 2 == 0 and self.pair_test):
+      if cutlass.const_expr(scp):
+        scws = self._scale_pair_words(pipe + (kb % n_st) * st_bytes, st_bytes)
+      elif cutlass.const_expr(self.ablation != "scalelate" and per_bar % 2 == 0 and self.pair_test):
         scws = tuple(self._scale_words(pipe + ((kb + q) % n_st) * st_bytes) for q in range(per_bar))
       mid = None
       # (a step's stages all in range or all past the K loop: even depth and stage count; the mid copies take their
@@ -3354,9 +3368,11 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         live = nk < n_kb
         if live:
           self._issue(nk, pipe + (nk % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes,
-                      exps, ctl, n_copy, kpair_bar, src=src)
+                      exps, ctl, n_copy, kpair_bar, src=src, scales=not scp)
+          if cutlass.const_expr(scp):
+            self._issue_scale_pair(nk, pipe + (nk % n_st) * st_bytes, st_bytes, src[0][1])
           self._issue(nk + 1, pipe + ((nk + 1) % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk,
-                      planes, exps, ctl, n_copy, kpair_bar, src=src, parts="x")
+                      planes, exps, ctl, n_copy, kpair_bar, src=src, parts="x", scales=not scp)
         _commit()
         # (the slot's address again, not one value: held from here to the mid copies, ptxas spilled 24 B, not 12)
         mid = (nk + 1, pipe + ((nk + 1) % n_st) * st_bytes, pw_e, row0, n_rows, kb_n, src,
@@ -3369,7 +3385,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
           for q in cutlass.range_constexpr(per_bar):
             nk = kb + n_st - per_bar + q
             self._issue(nk, pipe + (nk % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes,
-                        exps, ctl, n_copy, kpair_bar, src=src, tma=_slot_tma(tw, bars, nk, n_st))
+                        exps, ctl, n_copy, kpair_bar, src=src, tma=_slot_tma(tw, bars, nk, n_st), scales=not scp)
+            if cutlass.const_expr(scp and q == 0):
+              self._issue_scale_pair(nk, pipe + (nk % n_st) * st_bytes, st_bytes, src[0][1])
             _commit()
         else:
           for q in cutlass.range_constexpr(per_bar):
@@ -3601,6 +3619,16 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     """This thread's rows' (g and g + 8 of its warp's 16) scale words of the stage at ``sb``."""
     warp, _, g, _ = _lanes()
     return (_lds(sb + self.w_bytes + (16 * warp + g) * 4), _lds(sb + self.w_bytes + (16 * warp + g + 8) * 4))
+
+  @cute.jit
+  def _scale_pair_words(self, sb: Int32, st_bytes: cutlass.Constexpr):
+    """`_scale_words` of a paired step's two stages (the first at ``sb``, the second in the next slot) where
+    `_issue_scale_pair` copied them: ((row g's, row g + 8's) of the first stage, those of the second)."""
+    warp, _, g, _ = _lanes()
+    at = sb + (warp // (WARPS // 2)) * st_bytes + W_BYTES + (16 * (warp % (WARPS // 2)) + g) * 8
+    a0, a1 = _lds2(at)
+    b0, b1 = _lds2(at + 64)  # (row g + 8: 8 rows of 8 B further, in the same half)
+    return ((a0, b0), (a1, b1))
 
   @cute.jit
   def _compute(self, nt: cutlass.Constexpr, sbs, rows_fast: Int32, acc: cute.Tensor,
@@ -3924,12 +3952,13 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   def _issue(self, kb: Int32, sb: Int32, slots: cutlass.Constexpr, pw_e: Int64, psc_e: Int64, row0: Int32,
              n_rows: cutlass.Constexpr, kb_n: cutlass.Constexpr, nblk: cutlass.Constexpr, planes: Int64,
              exps: Int64, ctl: Int32, n_copy: cutlass.Constexpr = -1, per_bar: cutlass.Constexpr = 0, w_on=None,
-             src=None, parts: cutlass.Constexpr = "all", tma=None):
+             src=None, parts: cutlass.Constexpr = "all", tma=None, scales: cutlass.Constexpr = True):
     """cp.async of K128 block ``kb`` into the stage at ``sb``: weights (swizzled), scales, B planes, exponents (of the
     first ``n_copy`` slots of the stage's ``slots``; -1: all). ``src``: this thread's sources from
     `_copy_sources`, taken once per pass. ``parts`` "x" (`RoleKernelsV2.copy_mid`): all but the weights. ``tma``
     (`RoleKernelsV2.tma_w`: the pass's TensorMap data and the slot's ``full`` mbarrier, `_slot_tma`): the weights by
-    one TMA copy from thread 0 onto that mbarrier instead.
+    one TMA copy from thread 0 onto that mbarrier instead. ``scales`` False: no scale words (`_issue_scale_pair`
+    copies them).
 
     ``per_bar`` > 0 (a `kpair` pass, its stages meeting at a barrier every ``per_bar``): ``kb`` is a stage of two
     half tiles, rows row0 .. row0 + 63 of K128 tile `kpair_tile` (kb, 0) as the stage's rows 0-63 and B slots 0 ..
@@ -3938,9 +3967,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     w_src, x_rows = (None, None) if cutlass.const_expr(src is None) else src
     if cutlass.const_expr(parts == "x" or tma is not None):
       assert w_on is None and w_src is not None and not per_bar
-      self._issue_scales(kb, sb, psc_e, row0, kb_n, per_bar, w_src)
+      if cutlass.const_expr(scales):
+        self._issue_scales(kb, sb, psc_e, row0, kb_n, per_bar, w_src)
     elif cutlass.const_expr(w_on is None):
-      self._issue_w(kb, sb, pw_e, psc_e, row0, n_rows, kb_n, per_bar, w_src)
+      self._issue_w(kb, sb, pw_e, psc_e, row0, n_rows, kb_n, per_bar, w_src, scales=scales)
     else:
       if w_on != 0:
         self._issue_w(kb, sb, pw_e, psc_e, row0, n_rows, kb_n, per_bar, w_src)
@@ -4006,6 +4036,17 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         _cp16(sb + row * 64 + ((col ^ ((row // 2) % 4)) << 4), src, Int32(16) if nbytes is None else nbytes)
     if cutlass.const_expr(scales):
       self._issue_scales(kb, sb, psc_e, row0, kb_n, per_bar, w_src)
+
+  @cute.jit
+  def _issue_scale_pair(self, kb: Int32, sb: Int32, st_bytes: cutlass.Constexpr, sc_src: Int64):
+    """`RoleKernelsV2.sc_pair`: this thread's row's (tid < `TILE_M`) scale words of blocks ``kb`` (even) and kb + 1 by
+    one 8-B copy from ``sc_src`` (the row's word of block 0, `_copy_sources`); rows 0-63 into the scale area of
+    the slot at ``sb`` (block kb's), rows 64-127 into the next slot's (kb + 1's), 8 B a row
+    (`_scale_pair_words`)."""
+    tid, _, _ = cute.arch.thread_idx()
+    if tid < TILE_M:
+      _cp8(sb + (tid // (TILE_M // 2)) * st_bytes + W_BYTES + (tid % (TILE_M // 2)) * 8,
+           sc_src + Int64(kb) * v1.WORD_BYTES)
 
   @cute.jit
   def _issue_scales(self, kb: Int32, sb: Int32, psc_e: Int64, row0: Int32, kb_n: cutlass.Constexpr,
