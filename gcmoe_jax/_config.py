@@ -27,7 +27,7 @@ _ABLATIONS = ("nomath", "nogemm2", "widedecode", "tma", "static", "evenbodies", 
               "l2ahead", "wearly", "wearly1", "wearlyl2", "shallow", "spin", "bar4", "kbany", "kbany1",
               "kbanyeager", "trips", "shfree", "unbiased", "copyaddr",
               "scalelate", "copystep", "copyburst", "copymid", "tmaw", "blocklanes", "blocklanes1", "threecta",
-              "scpair")
+              "scpair", "noscale")
 
 
 def _ablation(text: str) -> str:
@@ -184,7 +184,8 @@ VARS = {v.name: v for v in (
                                        "variants, every pass of one or two rows, results exact, 18-42 % slower at "
                                        "B = 1-2 on the H100 (session 52), for A/B timing; scpair: a paired step's "
                                        "two scale words of a row by one 8-B copy (routed variants), results "
-                                       "exact, for A/B timing); "
+                                       "exact, for A/B timing; noscale: scpair's form with no scale-word copies "
+                                       "after the prologue, timing only (results wrong)); "
                                        "part of the cubin key"),
   Var("GCMOE_WAIT_TIMEOUT_MS", _wait_ms, 2000, "bound of every device spin-wait; expiry becomes a Python exception"),
   Var("GCMOE_FIRST_WAIT_TIMEOUT_MS", _wait_ms, 120_000, "bound of the spin-waits of the first call of the fused "

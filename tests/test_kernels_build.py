@@ -1134,7 +1134,8 @@ def test_the_threecta_build_fits_three_ctas_with_the_one_and_two_row_bodies(cach
 def test_the_scpair_build_copies_a_steps_two_scale_words_of_a_row_at_once(cache, monkeypatch):
   """GCMOE_ABLATION=scpair (timing, docs/kernels_v2.md "A paired step's scale words by one 8-B copy"): every 4-B
   scale-word copy of the routed capacity-8 variant's paired steps becomes half as many 8-B ones, the weights' and B
-  rows' 16-B copies and the MMAs as they were, and the words read back by 8-B loads."""
+  rows' 16-B copies and the MMAs as they were, and the words read back by 8-B loads; `noscale` (timing only) the
+  same form with no 4-B copies either."""
   normal, pair = _role2_only_ablation("scpair", cache, monkeypatch, Variant(6144, 2048, 32, 8, 8))
   a, b = _ptx(normal, 2), _ptx(pair, 2)
   four, eight = (re.compile(rf"cp\.async\.ca\.shared\.global [^;]*, {n};") for n in (4, 8))
@@ -1143,6 +1144,13 @@ def test_the_scpair_build_copies_a_steps_two_scale_words_of_a_row_at_once(cache,
     assert a.count(op) == b.count(op) > 0, op
   assert b.count("ld.shared.v2.u32") > a.count("ld.shared.v2.u32")
   assert pair["roles"][1]["spill_bytes"] <= build._ABLATION_SPILL_BUDGET[2]
+  # `noscale` (timing only): scpair's layout without the steps' scale copies; the 16-B copies and MMAs as they were
+  monkeypatch.setenv("GCMOE_ABLATION", "noscale")
+  none = build.compile_variant("sm_90a", Variant(6144, 2048, 32, 8, 8), cache_dir=cache)
+  c = _ptx(none, 2)
+  assert "+noscale-" in none["key"] and not four.findall(c) and eight.findall(c)
+  for op in ("cp.async.cg.shared.global", "mma.sync.aligned.m16n8k32"):
+    assert c.count(op) == a.count(op), op
 
 
 @needs_dsl

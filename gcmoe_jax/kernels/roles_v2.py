@@ -1015,7 +1015,11 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # `GCMOE_ABLATION=scpair` (timing, session 52): a paired step's two scale words of a row by one 8-B copy
     # (`_issue_scale_pair`, `_scale_pair_words`), where each took a 4-B one: a stage's 128 scale copies each touch a
     # sector of their own (a row's words are K/128 words apart), twice the L2 requests of its 8 KB of weights.
-    self.sc_pair = self.copy_block and self.pair_test and self.compact and self.ablation == "scpair"
+    # `noscale` (timing only, results wrong): the paired steps copy no scale words after the prologue, so the slots keep
+    # an earlier stage's words of the same rows (the fast path as often as the real words take it): what any cheaper
+    # scale-word copy can take back at most.
+    self.sc_pair = self.copy_block and self.pair_test and self.compact and self.ablation in ("scpair", "noscale")
+    self.sc_none = self.sc_pair and self.ablation == "noscale"
     # `GCMOE_ABLATION=blocklanes` (timing): the one-row body with a K32 block per lane of a quad (`_stage`, `BL_X`);
     # `blocklanes1`: the same with one MMA chain per operand instead of two. Session 51 on the H100: exact, and 3-12 %
     # slower at B = 1-8 although the fast one-row body is up to 8 % shorter (docs/kernels_v2.md), so not kept.
@@ -3336,6 +3340,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
                     tma=_slot_tma(tw, bars, s, n_st), scales=not scp)
         if cutlass.const_expr(scp and s % 2 == 0):
           self._issue_scale_pair(s, pipe + s * st_bytes, st_bytes, src[0][1])
+        if cutlass.const_expr(self.sc_none and scp and s == n_st - per_bar - 1 and s + 1 < n_kb):
+          # (`noscale`: the two slots no prologue stage fills take blocks n_st - 2 and n_st - 1's words, once)
+          self._issue_scale_pair(s + 1, pipe + (s + 1) * st_bytes, st_bytes, src[0][1])
       _commit()
     for kq in range(n_kb // per_bar):
       kb = kq * per_bar
@@ -3369,7 +3376,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         if live:
           self._issue(nk, pipe + (nk % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes,
                       exps, ctl, n_copy, kpair_bar, src=src, scales=not scp)
-          if cutlass.const_expr(scp):
+          if cutlass.const_expr(scp and not self.sc_none):
             self._issue_scale_pair(nk, pipe + (nk % n_st) * st_bytes, st_bytes, src[0][1])
           self._issue(nk + 1, pipe + ((nk + 1) % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk,
                       planes, exps, ctl, n_copy, kpair_bar, src=src, parts="x", scales=not scp)
@@ -3386,7 +3393,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
             nk = kb + n_st - per_bar + q
             self._issue(nk, pipe + (nk % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes,
                         exps, ctl, n_copy, kpair_bar, src=src, tma=_slot_tma(tw, bars, nk, n_st), scales=not scp)
-            if cutlass.const_expr(scp and q == 0):
+            if cutlass.const_expr(scp and q == 0 and not self.sc_none):
               self._issue_scale_pair(nk, pipe + (nk % n_st) * st_bytes, st_bytes, src[0][1])
             _commit()
         else:
