@@ -3,8 +3,8 @@
 // Each CTA (256 threads) claims items from a counter, as role 2 does; an item is 128 weight rows of one expert over
 // its K: kb_n K128 stages of 8 KB (the compact E2M1 tile, rows of 64 B, `[E, K/128, N, 64]`) and, per mode, the
 // rows' scale words (`[E, N, K/128]` int32): mode 0 none, 1 one 4-B copy per row and stage (role 2's copies), 2 one
-// 8-B copy per row and paired step (GCMOE_ABLATION=scpair). Stages sit in N_ST slots, a CTA barrier every two,
-// N_ST - 2 stages in flight (role 2's paired steps). After each barrier every thread reads its part of the step's
+// 8-B copy per row and paired step (GCMOE_ABLATION=scpair). Stages sit in kSlots slots, a CTA barrier every two,
+// kSlots - 2 stages in flight (role 2's paired steps). After each barrier every thread reads its part of the step's
 // two stages from SMEM (so the copies must land) and then spins ``spin`` clocks: the stage's math stand-in.
 // Built three times, for 1, 2 and 3 CTAs per SM (`__launch_bounds__`), so one cubin answers whether an SM's rate
 // grows with its CTAs when the math is left out or replaced by a fixed latency.
@@ -64,7 +64,6 @@ __device__ __forceinline__ void issue(uint8_t* smem, const uint8_t* w_item, cons
   }
 }
 
-template <int kCtas>
 __device__ __forceinline__ void stream_body(const uint8_t* __restrict__ w, const uint32_t* __restrict__ sc,
                                             int experts, int n_rows, int kb_n, int mode, int spin,
                                             unsigned int* counter, uint32_t* sink) {
@@ -121,7 +120,7 @@ __device__ __forceinline__ void stream_body(const uint8_t* __restrict__ w, const
   extern "C" __global__ void __launch_bounds__(kThreads, CTAS)                                                      \
       stage_stream_##CTAS(const uint8_t* w, const uint32_t* sc, int experts, int n_rows, int kb_n, int mode,        \
                           int spin, unsigned int* counter, uint32_t* sink) {                                        \
-    stream_body<CTAS>(w, sc, experts, n_rows, kb_n, mode, spin, counter, sink);                                     \
+    stream_body(w, sc, experts, n_rows, kb_n, mode, spin, counter, sink);                                           \
   }
 
 STREAM_KERNEL(1)
