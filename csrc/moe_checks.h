@@ -1,8 +1,8 @@
 // Attribute and buffer checks of the gcmoe_moe call, shared by the CPU and CUDA bindings.
 //
 // The operand list (one line per binding in ffi_cpu.cc / ffi_cuda.cc):
-//   x [T, H] bf16, w13 [E, H/128, 2I, 64] s8, w13_scale [E, 2I, H/128] s32, w2 [E, I/128, H, 64] s8,
-//   w2_scale [E, H, I/128] s32, ids [T, k] s32, weights [T, k] f32,
+//   x [T, H] bf16, w13 [E, H/128, 2I, 64] s8, w13_scale [E, H/128, 2I] s32, w2 [E, I/128, H, 64] s8,
+//   w2_scale [E, I/128, H] s32, ids [T, k] s32, weights [T, k] f32,
 //   s13 [H/128, 2Is, 128] s8, s13_scale [2Is, ceil(H/(4g))] s32, s2 [Is/128, H, 128] s8, s2_scale [H, ceil(Is/(4g))]
 //   s32 (all four [0, 0, 0] / [0, 0] without a shared expert) -> y [T, H] bf16.
 
@@ -85,9 +85,9 @@ inline ffi::Error CheckMoeCall(const MoeAttrs& a, const MoeBuffers& b, int64_t* 
   const int64_t t = b.x.dimensions()[0];
   GCMOE_RETURN_IF_ERROR(CheckBuffer(op, "x", b.x, ffi::DataType::BF16, {t, h}));
   GCMOE_RETURN_IF_ERROR(CheckBuffer(op, "w13", b.w13, ffi::DataType::S8, {e, h / kMoeKTile, 2 * i, kMoeKTile / 2}));
-  GCMOE_RETURN_IF_ERROR(CheckBuffer(op, "w13_scale", b.w13_scale, ffi::DataType::S32, {e, 2 * i, h / kMoeKTile}));
+  GCMOE_RETURN_IF_ERROR(CheckBuffer(op, "w13_scale", b.w13_scale, ffi::DataType::S32, {e, h / kMoeKTile, 2 * i}));
   GCMOE_RETURN_IF_ERROR(CheckBuffer(op, "w2", b.w2, ffi::DataType::S8, {e, i / kMoeKTile, h, kMoeKTile / 2}));
-  GCMOE_RETURN_IF_ERROR(CheckBuffer(op, "w2_scale", b.w2_scale, ffi::DataType::S32, {e, h, i / kMoeKTile}));
+  GCMOE_RETURN_IF_ERROR(CheckBuffer(op, "w2_scale", b.w2_scale, ffi::DataType::S32, {e, i / kMoeKTile, h}));
   GCMOE_RETURN_IF_ERROR(CheckBuffer(op, "ids", b.ids, ffi::DataType::S32, {t, k}));
   GCMOE_RETURN_IF_ERROR(CheckBuffer(op, "weights", b.weights, ffi::DataType::F32, {t, k}));
   if (a.has_shared()) {
@@ -116,9 +116,9 @@ auto BindMoeBuffers(Binding&& b) {
   return std::forward<Binding>(b)
       .template Arg<AnyBuffer>()   // x          [T, H] bfloat16
       .template Arg<AnyBuffer>()   // w13        [E, H/128, 2I, 64] int8 (E2M1 pairs)
-      .template Arg<AnyBuffer>()   // w13_scale  [E, 2I, H/128] int32 (UE8M0 x4)
+      .template Arg<AnyBuffer>()   // w13_scale  [E, H/128, 2I] int32 (UE8M0 x4, MN-major)
       .template Arg<AnyBuffer>()   // w2         [E, I/128, H, 64] int8
-      .template Arg<AnyBuffer>()   // w2_scale   [E, H, I/128] int32
+      .template Arg<AnyBuffer>()   // w2_scale   [E, I/128, H] int32
       .template Arg<AnyBuffer>()   // ids        [T, k] int32 (< 0: padding)
       .template Arg<AnyBuffer>()   // weights    [T, k] float32
       .template Arg<AnyBuffer>()   // s13        [H/128, 2Is, 128] int8 (E4M3) or [0, 0, 0]

@@ -87,11 +87,11 @@ struct RowList {
 
 // Routed FP8 x FP4 GEMM for output rows [n0, n1) of one expert:
 // out[r, n] = sum over K32 blocks b (in order) of f32(D) * 2**(ex + ew - 10), D = sum_i (512 x_i) (2 w_i) exact.
-// payload [K/128, N, 64] and scales [N, K/128] are the expert's slices of the Table 10 routed layout.
+// payload [K/128, N, 64] and scales [K/128, N] (MN-major) are the expert's slices of the Table 10 routed layout.
 GCMOE_TARGET_CLONES void RoutedGemmTile(const Mxfp8Rows& x, const RowList& rows, const int8_t* payload,
                                         const int32_t* scales, int64_t n_total, int64_t n0, int64_t n1, float* out,
                                         bool round_bf16, std::vector<float>& acc) {
-  const int64_t k = x.k, nblocks = k / kBlock, kb128 = k / kKTile;
+  const int64_t k = x.k, nblocks = k / kBlock;
   acc.assign(rows.count, 0.0f);
   alignas(64) int16_t w[kBlock];
   for (int64_t n = n0; n < n1; ++n) {
@@ -101,7 +101,7 @@ GCMOE_TARGET_CLONES void RoutedGemmTile(const Mxfp8Rows& x, const RowList& rows,
       const uint8_t* bytes =
           reinterpret_cast<const uint8_t*>(payload) + ((b / 4) * n_total + n) * (kKTile / 2) + (b % 4) * 16;
       for (int i = 0; i < 16; ++i) std::memcpy(&w[2 * i], kE2m1Pairs.values[bytes[i]].data(), 2 * sizeof(int16_t));
-      const uint32_t word = static_cast<uint32_t>(scales[n * kb128 + b / 4]);
+      const uint32_t word = static_cast<uint32_t>(scales[(b / 4) * n_total + n]);
       const int32_t w_exp = static_cast<int32_t>((word >> (8 * (b % 4))) & 0xFF) - kUe8m0Bias;
       for (int64_t r = 0; r < rows.count; ++r) {
         const int64_t xr = rows.in[r];

@@ -22,9 +22,9 @@ struct MoeArgs {
   float clamp = 0.0f;           // as float32; rounded to bf16 inside, as the reference does
   const uint16_t* x = nullptr;  // [T, H] bf16 bits
   const int8_t* w13 = nullptr;  // [E, H/128, 2I, 64]
-  const int32_t* w13_scale = nullptr;  // [E, 2I, H/128]
+  const int32_t* w13_scale = nullptr;  // [E, H/128, 2I] (MN-major)
   const int8_t* w2 = nullptr;          // [E, I/128, H, 64]
-  const int32_t* w2_scale = nullptr;   // [E, H, I/128]
+  const int32_t* w2_scale = nullptr;   // [E, I/128, H]
   const int32_t* ids = nullptr;        // [T, k]
   const float* weights = nullptr;      // [T, k]
   const int8_t* s13 = nullptr;         // [H/128, 2Is, 128]

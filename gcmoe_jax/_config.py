@@ -26,8 +26,7 @@ _ABLATIONS = ("nomath", "nogemm2", "widedecode", "tma", "static", "evenbodies", 
               "stagebar", "sharedfirst", "routedfirst", "regpull", "onecta", "nofourrow", "stagetest", "kpair",
               "l2ahead", "wearly", "wearly1", "wearlyl2", "shallow", "spin", "bar4", "kbany", "kbany1",
               "kbanyeager", "trips", "shfree", "unbiased", "copyaddr",
-              "scalelate", "copystep", "copyburst", "copymid", "tmaw", "blocklanes", "blocklanes1", "threecta",
-              "scpair", "noscale")
+              "scalelate", "copystep", "copyburst", "copymid", "tmaw", "blocklanes", "blocklanes1", "threecta")
 
 
 def _ablation(text: str) -> str:
@@ -182,10 +181,7 @@ VARS = {v.name: v for v in (
                                        "blocklanes1: the same with one chain per operand, exact, 4-9 % slower; "
                                        "threecta: three role-2 CTAs per SM at 80 registers in the routed one-GPU "
                                        "variants, every pass of one or two rows, results exact, 18-42 % slower at "
-                                       "B = 1-2 on the H100 (session 52), for A/B timing; scpair: a paired step's "
-                                       "two scale words of a row by one 8-B copy (routed variants), results "
-                                       "exact, for A/B timing; noscale: scpair's form with no scale-word copies "
-                                       "after the prologue, timing only (results wrong)); "
+                                       "B = 1-2 on the H100 (session 52), for A/B timing); "
                                        "part of the cubin key"),
   Var("GCMOE_WAIT_TIMEOUT_MS", _wait_ms, 2000, "bound of every device spin-wait; expiry becomes a Python exception"),
   Var("GCMOE_FIRST_WAIT_TIMEOUT_MS", _wait_ms, 120_000, "bound of the spin-waits of the first call of the fused "

@@ -17,8 +17,10 @@ Layouts (Table 10 of the paper; K is the reduction dimension, N the output dimen
 
 * routed payload  ``int8 [E, K/128, N, 64]``: for every (expert, K128 block, row n), 64 bytes holding the 128 E2M1
   codes of that block, element ``2i`` in the low nibble of byte ``i`` and element ``2i + 1`` in the high nibble;
-* routed scales   ``int32 [E, N, K/128]``: byte ``i`` (little-endian, bits ``8i..8i+7``) is the UE8M0 scale of the
-  K32 sub-block ``i`` of that K128 block;
+* routed scales   ``int32 [E, K/128, N]`` (MN-major: the words of one K128 block are contiguous over the rows):
+  byte ``i`` (little-endian, bits ``8i..8i+7``) of word ``[e, kb, n]`` is the UE8M0 scale of the K32 sub-block
+  ``i`` of row n's K128 block kb. A kernel stage of 128 rows takes its words as one 512-B run, not 128 words
+  K/128 apart;
 * shared payload  ``int8 [K/128, N, 128]``: the E4M3 bytes of one K128 block of row n;
 * shared scales   ``int32 [N, ceil(K / (4 * group))]``: four consecutive group scales per word (group 32 or 128),
   a ragged tail padded with byte 127.
@@ -227,6 +229,16 @@ def _pack_fp4_payload(codes: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(byte, jnp.int8)
 
 
+def _routed_scales(scale_bytes: jax.Array) -> jax.Array:
+  """UE8M0 bytes ``[E, N, K/32]`` -> the routed scale words ``[E, K/128, N]`` (MN-major)."""
+  return jnp.swapaxes(pack_scales(scale_bytes), 1, 2)
+
+
+def _routed_scale_bytes(words: jax.Array, groups: int) -> jax.Array:
+  """Inverse of `_routed_scales`: ``[E, K/128, N]`` -> uint8 ``[E, N, groups]``."""
+  return unpack_scales(jnp.swapaxes(words, 1, 2), groups)
+
+
 def _unpack_fp4_payload(payload: jax.Array) -> jax.Array:
   """int8 payload ``[E, K/128, N, 64]`` -> E2M1 codes uint8 ``[E, N, K]``."""
   e, kb, n, _ = payload.shape
@@ -334,9 +346,9 @@ class ExpertWeights:
   Attributes:
     w13: int8 ``[E, H/128, 2I, 64]`` packed E2M1 payload of the fused gate/up projection (rows gate/up interleaved,
       see the module doc).
-    w13_scale: int32 ``[E, 2I, H/128]`` packed UE8M0 scales.
+    w13_scale: int32 ``[E, H/128, 2I]`` packed UE8M0 scales (MN-major, see the module doc).
     w2: int8 ``[E, I/128, H, 64]`` packed E2M1 payload of the down projection.
-    w2_scale: int32 ``[E, H, I/128]``.
+    w2_scale: int32 ``[E, I/128, H]``.
     shared: the shared expert, or None.
     num_experts, hidden, intermediate: E, H and I (static).
   """
@@ -364,9 +376,9 @@ class ExpertWeights:
     if any(_is_placeholder(a) for a in (self.w13, self.w13_scale, self.w2, self.w2_scale)):
       return
     _check_array("ExpertWeights", "w13", self.w13, (e, h // K_TILE, 2 * i, K_TILE // 2), np.int8)
-    _check_array("ExpertWeights", "w13_scale", self.w13_scale, (e, 2 * i, h // K_TILE), np.int32)
+    _check_array("ExpertWeights", "w13_scale", self.w13_scale, (e, h // K_TILE, 2 * i), np.int32)
     _check_array("ExpertWeights", "w2", self.w2, (e, i // K_TILE, h, K_TILE // 2), np.int8)
-    _check_array("ExpertWeights", "w2_scale", self.w2_scale, (e, h, i // K_TILE), np.int32)
+    _check_array("ExpertWeights", "w2_scale", self.w2_scale, (e, i // K_TILE, h), np.int32)
 
   @property
   def config(self) -> tuple[int, int, int, int | None, int | None]:
@@ -409,14 +421,14 @@ def _require_finite(name: str, w: jax.Array) -> None:
 
 @functools.partial(jax.jit, static_argnames=("gate_up",))
 def _quantize_routed(w: jax.Array, gate_up: bool = False) -> tuple[jax.Array, jax.Array]:
-  """``[E, K, N]`` (x @ W orientation) -> (payload ``[E, K/128, N, 64]``, scales ``[E, N, K/128]``).
+  """``[E, K, N]`` (x @ W orientation) -> (payload ``[E, K/128, N, 64]``, scales ``[E, K/128, N]``).
 
   Jitted: eagerly, the transform is ~100 small ops, each compiled on first use.
   """
   if gate_up:
     w = gate_up_interleave(w)
   codes, sb = quantize_mx(jnp.swapaxes(w, 1, 2), fmt="e2m1")
-  return _pack_fp4_payload(codes), pack_scales(sb)
+  return _pack_fp4_payload(codes), _routed_scales(sb)
 
 
 @functools.partial(jax.jit, static_argnames=("group", "gate_up"))
@@ -494,10 +506,10 @@ def _quantize_shared_pair(shared: Any, h: int, group: int) -> SharedWeights:
 
 
 def _dequantize_routed(payload: jax.Array, scales: jax.Array) -> jax.Array:
-  """payload ``[E, K/128, N, 64]`` + scales ``[E, N, K/128]`` -> float32 ``[E, K, N]``."""
+  """payload ``[E, K/128, N, 64]`` + scales ``[E, K/128, N]`` -> float32 ``[E, K, N]``."""
   codes = _unpack_fp4_payload(payload)  # [E, N, K]
   e, n, k = codes.shape
-  s = decode_ue8m0(unpack_scales(scales, k // BLOCK))  # [E, N, K/32]
+  s = decode_ue8m0(_routed_scale_bytes(scales, k // BLOCK))  # [E, N, K/32]
   v = decode_e2m1(codes).reshape(e, n, k // BLOCK, BLOCK) * s[..., None]
   return jnp.swapaxes(v.reshape(e, n, k), 1, 2)
 
@@ -575,7 +587,7 @@ def from_mxfp4(w13_blocks: jax.Array, w13_scales: jax.Array, w2_blocks: jax.Arra
   c13 = gate_up_interleave(c13, axis=1)
   s13 = gate_up_interleave(s13, axis=1)
   sw = None if shared is None else _quantize_shared_pair(shared, h, shared_group)
-  return ExpertWeights(_pack_fp4_payload(c13), pack_scales(s13), _pack_fp4_payload(c2), pack_scales(s2), sw,
+  return ExpertWeights(_pack_fp4_payload(c13), _routed_scales(s13), _pack_fp4_payload(c2), _routed_scales(s2), sw,
                        e, h, two_i // 2)
 
 
@@ -587,7 +599,7 @@ def to_mxfp4(w: ExpertWeights, *, gate_up: str = "interleaved") -> tuple[jax.Arr
   def export(payload, scales, deinterleave):
     codes = _unpack_fp4_payload(payload)  # [E, N, K]
     e, n, k = codes.shape
-    sb = unpack_scales(scales, k // BLOCK)
+    sb = _routed_scale_bytes(scales, k // BLOCK)
     if deinterleave:
       codes, sb = gate_up_deinterleave(codes, axis=1), gate_up_deinterleave(sb, axis=1)
       if gate_up == "interleaved":

@@ -132,7 +132,7 @@ def _routed_block(payload: jax.Array, scales: jax.Array, eids: jax.Array):
     byte = jax.lax.bitcast_convert_type(blk, jnp.uint8)
     codes = jnp.stack([byte & 0xF, byte >> 4], axis=-1).reshape(*byte.shape[:2], BLOCK)
     ints = (formats.decode_e2m1(codes) * 2.0).astype(jnp.int32)
-    words = jax.lax.dynamic_index_in_dim(scales, kb, axis=2, keepdims=False)[eids]  # [M, N]
+    words = jax.lax.dynamic_index_in_dim(scales, kb, axis=1, keepdims=False)[eids]  # [M, N] (scales MN-major)
     sbyte = (jax.lax.bitcast_convert_type(words, jnp.uint32) >> (8 * sub).astype(jnp.uint32)) & 0xFF
     return ints, sbyte.astype(jnp.int32) - formats.UE8M0_BIAS
 

@@ -67,8 +67,8 @@ def _random_codes() -> gm.ExpertWeights:
     e4m3((H // 128, 2 * IS, 128)), scales((2 * IS, -(-H // (4 * group))), 110, 114),
     e4m3((IS // 128, H, 128)), scales((H, -(-IS // (4 * group))), 110, 114), H, IS, group)
   return gm.ExpertWeights(
-    rng.integers(-128, 128, (E, H // 128, 2 * I, 64), dtype=np.int8), scales((E, 2 * I, H // 128), 119, 123),
-    rng.integers(-128, 128, (E, I // 128, H, 64), dtype=np.int8), scales((E, H, I // 128), 119, 123),
+    rng.integers(-128, 128, (E, H // 128, 2 * I, 64), dtype=np.int8), scales((E, H // 128, 2 * I), 119, 123),
+    rng.integers(-128, 128, (E, I // 128, H, 64), dtype=np.int8), scales((E, I // 128, H), 119, 123),
     shared, E, H, I)
 
 
@@ -284,9 +284,9 @@ def _raw_operands(w: gm.ExpertWeights, t: int = 4) -> list:
 def test_mismatched_buffer_reaching_the_handler():
   w = _quantized(None)
   ops = _raw_operands(w)
-  ops[2] = jnp.zeros((E, 2 * I, H // 128 + 1), jnp.int32) + 0x7F7F7F7F
+  ops[2] = jnp.zeros((E, H // 128 + 1, 2 * I), jnp.int32) + 0x7F7F7F7F
   attrs = ffi.MoeAttrs.from_weights(w, K, CLAMP)
-  with pytest.raises(Exception, match=r"gcmoe_moe: w13_scale: expected \[8, 512, 4\] int32, got \[8, 512, 5\] int32"):
+  with pytest.raises(Exception, match=r"gcmoe_moe: w13_scale: expected \[8, 4, 512\] int32, got \[8, 5, 512\] int32"):
     np.asarray(ffi.moe_ffi(*ops, attrs=attrs))
 
 

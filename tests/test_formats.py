@@ -157,12 +157,16 @@ def test_payload_layout_matches_table10():
   w13, w2 = _weights(rng, e=2)
   w = formats.quantize_experts(w13, w2)
   assert w.w13.shape == (2, 512 // 128, 512, 64) and w.w13.dtype == jnp.int8
-  assert w.w13_scale.shape == (2, 512, 512 // 128) and w.w13_scale.dtype == jnp.int32
-  assert w.w2.shape == (2, 256 // 128, 512, 64) and w.w2_scale.shape == (2, 512, 2)
+  assert w.w13_scale.shape == (2, 512 // 128, 512) and w.w13_scale.dtype == jnp.int32  # MN-major
+  assert w.w2.shape == (2, 256 // 128, 512, 64) and w.w2_scale.shape == (2, 2, 512)
   # Element (expert 1, K index 130, stored row 3): K128 block 1, byte (130 % 128) // 2 = 1, low nibble.
-  codes, _ = formats.quantize_mx(np.swapaxes(np.asarray(formats.gate_up_interleave(w13)), 1, 2), fmt="e2m1")
+  codes, sb = formats.quantize_mx(np.swapaxes(np.asarray(formats.gate_up_interleave(w13)), 1, 2), fmt="e2m1")
   byte = int(np.asarray(w.w13).view(np.uint8)[1, 1, 3, 1])
   assert byte & 0xF == int(codes[1, 3, 130]) and byte >> 4 == int(codes[1, 3, 131])
+  # Its scale: K32 block 130 // 32 = 4, so byte 0 of the word of (expert 1, K128 block 1, row 3); the words of a
+  # K128 block are contiguous over the rows.
+  words = np.asarray(w.w13_scale).view(np.uint32)
+  assert [int(words[1, 1, 3] >> (8 * j)) & 0xFF for j in range(4)] == [int(b) for b in np.asarray(sb)[1, 3, 4:8]]
 
 
 def test_from_mxfp4_equals_quantize_of_dequantized():
@@ -208,8 +212,8 @@ def test_weight_containers_are_pytrees_and_check_shapes():
   assert len(leaves) == 4
   w2 = jax.tree_util.tree_unflatten(tree, leaves)
   assert w2.config == w.config == (4, 512, 256, None, None)
-  with pytest.raises(ValueError, match=r"ExpertWeights: w2_scale must have shape \[4, 512, 2\], got \[4, 512, 3\]"):
-    formats.ExpertWeights(w.w13, w.w13_scale, w.w2, jnp.zeros((4, 512, 3), jnp.int32), None, 4, 512, 256)
+  with pytest.raises(ValueError, match=r"ExpertWeights: w2_scale must have shape \[4, 2, 512\], got \[4, 512, 2\]"):
+    formats.ExpertWeights(w.w13, w.w13_scale, w.w2, jnp.zeros((4, 512, 2), jnp.int32), None, 4, 512, 256)
   with pytest.raises(TypeError, match="ExpertWeights: w13 must have dtype int8, got uint8"):
     formats.ExpertWeights(w.w13.astype(jnp.uint8), w.w13_scale, w.w2, w.w2_scale, None, 4, 512, 256)
   with pytest.raises(ValueError, match=r"SharedWeights: group must be 32 or 128, got 64"):

@@ -663,13 +663,13 @@ def test_the_kpair_build_hands_gemm2_blocks_between_warp_pairs(cache, monkeypatc
 def test_the_l2ahead_build_prefetches_gemm2_weights_and_streams_weights_evict_first(cache, monkeypatch):
   """GCMOE_ABLATION=l2ahead (GEMM2 weights into L2 ahead of their items at up to two tokens, routed variants of up
   to 8 tokens, docs/kernels_v2.md "GEMM2 weights into L2 ahead"): its own key, roles 1 and 3 as they are; in role 2
-  the bulk L2 prefetches (one per K128 tile of W2 and one of the scales, for a GEMM1 item's and a GEMM2 item's
+  the bulk L2 prefetches (two per K128 tile of W2, its tile and its scale words, for a GEMM1 item's and a GEMM2 item's
   target) and every weight-tile copy marked evict-first, with the MMAs unchanged in number; a variant of 16 tokens
   builds no prefetch at all."""
   small8 = dataclasses.replace(SMALL, capacity=8)
   normal, ahead = _role2_only_ablation("l2ahead", cache, monkeypatch, small8)
   a, b = _ptx(normal, 2), _ptx(ahead, 2)
-  per_item = small8.intermediate // 128 + 1  # W2 tiles over K = I, then the scale words
+  per_item = 2 * (small8.intermediate // 128)  # W2 tiles over K = I, then the scale words' run of each (MN-major)
   assert "cp.async.bulk.prefetch.L2" not in a and b.count("cp.async.bulk.prefetch.L2") == 2 * per_item
   assert "L2::cache_hint" not in a
   hinted = b.count("cp.async.cg.shared.global.L2::cache_hint")  # the weight tiles' copies; the B rows' keep theirs
@@ -1127,30 +1127,6 @@ def test_the_threecta_build_fits_three_ctas_with_the_one_and_two_row_bodies(cach
   for op in ("cp.async.cg.shared.global", "cp.async.ca.shared.global"):
     assert b.count(op) > 0, op
   assert role["spill_bytes"] <= build._ABLATION_SPILL_BUDGET[2]
-
-
-@needs_dsl
-@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
-def test_the_scpair_build_copies_a_steps_two_scale_words_of_a_row_at_once(cache, monkeypatch):
-  """GCMOE_ABLATION=scpair (timing, docs/kernels_v2.md "A paired step's scale words by one 8-B copy"): every 4-B
-  scale-word copy of the routed capacity-8 variant's paired steps becomes half as many 8-B ones, the weights' and B
-  rows' 16-B copies and the MMAs as they were, and the words read back by 8-B loads; `noscale` (timing only) the
-  same form with no 4-B copies either."""
-  normal, pair = _role2_only_ablation("scpair", cache, monkeypatch, Variant(6144, 2048, 32, 8, 8))
-  a, b = _ptx(normal, 2), _ptx(pair, 2)
-  four, eight = (re.compile(rf"cp\.async\.ca\.shared\.global [^;]*, {n};") for n in (4, 8))
-  assert len(four.findall(a)) == 2 * len(eight.findall(b)) > 0 and not four.findall(b) and not eight.findall(a)
-  for op in ("cp.async.cg.shared.global", "mma.sync.aligned.m16n8k32"):
-    assert a.count(op) == b.count(op) > 0, op
-  assert b.count("ld.shared.v2.u32") > a.count("ld.shared.v2.u32")
-  assert pair["roles"][1]["spill_bytes"] <= build._ABLATION_SPILL_BUDGET[2]
-  # `noscale` (timing only): scpair's layout without the steps' scale copies; the 16-B copies and MMAs as they were
-  monkeypatch.setenv("GCMOE_ABLATION", "noscale")
-  none = build.compile_variant("sm_90a", Variant(6144, 2048, 32, 8, 8), cache_dir=cache)
-  c = _ptx(none, 2)
-  assert "+noscale-" in none["key"] and not four.findall(c) and eight.findall(c)
-  for op in ("cp.async.cg.shared.global", "mma.sync.aligned.m16n8k32"):
-    assert c.count(op) == a.count(op), op
 
 
 @needs_dsl

@@ -3,7 +3,8 @@
 // Each CTA (256 threads) claims items from a counter, as role 2 does; an item is 128 weight rows of one expert over
 // its K: kb_n K128 stages of 8 KB (the compact E2M1 tile, rows of 64 B, `[E, K/128, N, 64]`) and, per mode, the
 // rows' scale words (`[E, N, K/128]` int32): mode 0 none, 1 one 4-B copy per row and stage (role 2's copies), 2 one
-// 8-B copy per row and paired step (GCMOE_ABLATION=scpair). Stages sit in kSlots slots, a CTA barrier every two,
+// 8-B copy per row and paired step (GCMOE_ABLATION=scpair); 3: the words MN-major (`[E, K/128, N]`, session 53), a
+// stage's 512-B run by 32 16-B copies. Stages sit in kSlots slots, a CTA barrier every two,
 // kSlots - 2 stages in flight (role 2's paired steps). After each barrier every thread reads its part of the step's
 // two stages from SMEM (so the copies must land) and then spins ``spin`` clocks: the stage's math stand-in.
 // Built three times, for 1, 2 and 3 CTAs per SM (`__launch_bounds__`), so one cubin answers whether an SM's rate
@@ -62,6 +63,10 @@ __device__ __forceinline__ void issue(uint8_t* smem, const uint8_t* w_item, cons
       cp8(smem_addr(pair_slot + kTile + (tid % 64) * 8), word);
     }
   }
+  if (mode == 3 && tid < kRows / 4) {
+    // MN-major words (`[E, K/128, N]`, s_item at the item's first row of block 0): the stage's run of 512 B.
+    cp16(smem_addr(slot + kTile + tid * 16), s_item + static_cast<int64_t>(kb) * n_rows + tid * 4);
+  }
 }
 
 __device__ __forceinline__ void stream_body(const uint8_t* __restrict__ w, const uint32_t* __restrict__ sc,
@@ -80,7 +85,8 @@ __device__ __forceinline__ void stream_body(const uint8_t* __restrict__ w, const
     if (item >= items) break;
     const int e = item / (n_rows / kRows), rb = item % (n_rows / kRows);
     const uint8_t* w_item = w + (static_cast<int64_t>(e) * kb_n * n_rows + rb * kRows) * 64;
-    const uint32_t* s_item = sc + (static_cast<int64_t>(e) * n_rows + rb * kRows) * kb_n;
+    const uint32_t* s_item = mode == 3 ? sc + static_cast<int64_t>(e) * kb_n * n_rows + rb * kRows
+                                       : sc + (static_cast<int64_t>(e) * n_rows + rb * kRows) * kb_n;
     for (int s = 0; s < kSlots - 2; ++s) {
       if (s < kb_n) issue(smem, w_item, s_item, s, n_rows, kb_n, mode);
       commit();

@@ -5,7 +5,8 @@ items on an SM at 69.8 us each, two at 44.8: docs/kernels_v2.md "Three CTAs per 
 stage is bound by something per SM. This probe streams role 2's GEMM1 items of GLM5.2 at B = 1 (8 experts, 4096 rows
 of 64 B over 48 K128 stages: 256 items of 128 rows, claimed from a counter) through the same pipeline (8 slots, a
 barrier every two stages, 6 in flight, 16-B `cp.async.cg` weight copies), with the scale words copied as role 2 does
-(mode 1: 4 B per row and stage), not at all (0) or as `scpair` does (2: 8 B per row and paired step), at 1, 2 and 3
+(mode 1: 4 B per row and stage), not at all (0), as `scpair` does (2: 8 B per row and paired step) or from the
+MN-major scales of session 53 (3: a stage's 512-B run by 32 16-B copies), at 1, 2 and 3
 CTAs per SM, and a fixed spin per step in place of the math. It prints the time per pass over the weights, the
 bytes per second and the KB per us and SM, against which role 2's ~18.6 KB/us per SM at B = 1-2 (two GEMM1 items
 of 417 KB in 44.8 us) reads:
@@ -36,7 +37,8 @@ def main(argv) -> int:
   ap.add_argument("--experts", type=int, default=8)
   ap.add_argument("--rows", type=int, default=4096, help="weight rows per expert (GLM5.2's GEMM1: 2 I = 4096)")
   ap.add_argument("--kb", type=int, default=48, help="K128 stages per item (GLM5.2's GEMM1: H / 128 = 48)")
-  ap.add_argument("--modes", default="1,0,2")
+  ap.add_argument("--modes", default="1,0,2,3", help="scale-word copies: 0 none, 1 4 B per row and stage, "
+                  "2 8 B per row and paired step, 3 MN-major: a stage's 512-B run by 16-B copies")
   ap.add_argument("--ctas", default="1,2,3")
   ap.add_argument("--spins", default="0,1000,2000,4000", help="clocks spun per paired step after its reads")
   ap.add_argument("--iters", type=int, default=20)

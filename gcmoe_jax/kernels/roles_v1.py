@@ -662,7 +662,7 @@ class RoleKernelsV1:
     if cutlass.const_expr(v.shared):
       n_shared = n_tok
     n_items = n_shared + v.experts * cpe
-    # Bytes of one expert in each routed weight tensor (payload [E, K/128, N, 64], scales [E, N, K/128] int32).
+    # Bytes of one expert in each routed weight tensor (payload [E, K/128, N, 64], scales [E, K/128, N] int32).
     w13_bytes = (v.hidden // K128) * 2 * v.intermediate * FP4_TILE_BYTES
     w13_scale_bytes = 2 * v.intermediate * (v.hidden // K128) * WORD_BYTES
     w2_bytes = (v.intermediate // K128) * v.hidden * FP4_TILE_BYTES
@@ -803,7 +803,7 @@ class RoleKernelsV1:
             sExp: cute.Tensor, sNan: cute.Tensor):
     """float32 bits of the dot of rows row0 (and row1) with sAct: ``acc = 0; acc += p_b`` for K32 blocks b.
 
-    Routed (FP4): payload [K/128, N, 64] B, scales [N, K/128] int32 (byte s = sub-block s). Shared (FP8): payload
+    Routed (FP4): payload [K/128, N, 64] B, scales [K/128, N] int32 (byte s = sub-block s). Shared (FP8): payload
     [K/128, N, 128] B, scales [N, ceil(K / (4 group))] int32 (four group scales per word).
     """
     k_tiles = k // K128
@@ -811,10 +811,10 @@ class RoleKernelsV1:
     acc1 = Int32(0)
     for kb in range(k_tiles):
       if cutlass.const_expr(not fp8):
-        sw0 = _ld_nc(scales + (Int64(row0) * k_tiles + kb) * WORD_BYTES)
+        sw0 = _ld_nc(scales + (Int64(kb) * n + row0) * WORD_BYTES)
         sw1 = sw0
         if cutlass.const_expr(two_rows):
-          sw1 = _ld_nc(scales + (Int64(row1) * k_tiles + kb) * WORD_BYTES)
+          sw1 = _ld_nc(scales + (Int64(kb) * n + row1) * WORD_BYTES)
       for sub in cutlass.range_constexpr(SUBS):
         b = kb * SUBS + sub
         xs = []

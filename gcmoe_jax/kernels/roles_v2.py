@@ -424,10 +424,6 @@ def _cp4(dst, src) -> None:
   cute.arch.inline_ptx("cp.async.ca.shared.global [{$r0}], [{$r1}], 4;", read_only_args=[dst, src])
 
 
-def _cp8(dst, src) -> None:
-  cute.arch.inline_ptx("cp.async.ca.shared.global [{$r0}], [{$r1}], 8;", read_only_args=[dst, src])
-
-
 def _commit() -> None:
   cute.arch.inline_ptx("cp.async.commit_group;", read_only_args=[])
 
@@ -1012,14 +1008,6 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # so that only the one- and two-row bodies are in the kernel. Session 52 on the H100: exact, 18-42 % slower at B =
     # 1-2; an SM's pace does not grow with a third CTA (docs/kernels_v2.md "Three CTAs per SM for B <= 2").
     self.three_cta = self.ctas == 3
-    # `GCMOE_ABLATION=scpair` (timing, session 52): a paired step's two scale words of a row by one 8-B copy
-    # (`_issue_scale_pair`, `_scale_pair_words`), where each took a 4-B one: a stage's 128 scale copies each touch a
-    # sector of their own (a row's words are K/128 words apart), twice the L2 requests of its 8 KB of weights.
-    # `noscale` (timing only, results wrong): the paired steps copy no scale words after the prologue, so the slots keep
-    # an earlier stage's words of the same rows (the fast path as often as the real words take it): what any cheaper
-    # scale-word copy can take back at most.
-    self.sc_pair = self.copy_block and self.pair_test and self.compact and self.ablation in ("scpair", "noscale")
-    self.sc_none = self.sc_pair and self.ablation == "noscale"
     # `GCMOE_ABLATION=blocklanes` (timing): the one-row body with a K32 block per lane of a quad (`_stage`, `BL_X`);
     # `blocklanes1`: the same with one MMA chain per operand instead of two. Session 51 on the H100: exact, and 3-12 %
     # slower at B = 1-8 although the fast one-row body is up to 8 % shorter (docs/kernels_v2.md), so not kept.
@@ -1864,12 +1852,13 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   @cute.jit
   def _l2_ahead(self, w2: Int64, w2_scale: Int64, e: Int32, j: Int32):
     """Prefetch into L2 the W2 rows of routed GEMM2 item (e, j) (`GCMOE_ABLATION=l2ahead`): per K128 tile the item's
-    `W_BYTES` of E2M1 rows, then its rows' scale words (`[E, K/128, N, 64]` and `[E, N, K/128]`)."""
+    `W_BYTES` of E2M1 rows, then its rows' scale words (`[E, K/128, N, 64]` and `[E, K/128, N]`)."""
     v = self.v
     kb_n = v.intermediate // v1.K128
-    pw_e = w2 + Int64(e) * (kb_n * v.hidden * v1.FP4_TILE_BYTES)
+    pw_e, psc_e = self._expert_weights(e, w2, w2_scale, v.hidden, kb_n)
     self._prefetch_tiles(pw_e, v.hidden, j * TILE_M, 0, kb_n)
-    _prefetch_l2(w2_scale + (Int64(e) * v.hidden + j * TILE_M) * (kb_n * v1.WORD_BYTES), TILE_M * kb_n * v1.WORD_BYTES)
+    for kb in cutlass.range_constexpr(kb_n):
+      _prefetch_l2(psc_e + (Int64(kb) * v.hidden + j * TILE_M) * v1.WORD_BYTES, SC_BYTES)
 
   @cute.jit
   def _w_ahead(self, g2: cutlass.Constexpr, e: Int32, j: Int32, pw: Int64, psc: Int64, pipe: Int32):
@@ -1906,7 +1895,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     return min(MAX_STAGES, (self.pipe_bytes - p_bytes) // any_stage_bytes(rows))
 
   def _expert_weights(self, e: Int32, pw: Int64, psc: Int64, n_rows: int, kb_n: int) -> tuple[Int64, Int64]:
-    """Expert e's E2M1 tiles (``[E, K/128, N, 64 B]``) and scale words (``[E, N, K/128]``) in the weight tensor at
+    """Expert e's E2M1 tiles (``[E, K/128, N, 64 B]``) and scale words (``[E, K/128, N]``) in the weight tensor at
     ``pw`` / scales at ``psc`` of ``n_rows`` rows N and ``kb_n`` K128 tiles."""
     return (pw + Int64(e) * (kb_n * n_rows * v1.FP4_TILE_BYTES), psc + Int64(e) * (n_rows * kb_n * v1.WORD_BYTES))
 
@@ -3185,7 +3174,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     warp would cost the one-CTA variants their 255 registers and the two-CTA ones their second CTA). Stage ``kb``
     lives in slot ``kb % n_st``; ``full[slot]`` completes when its copies landed: the weight tile by TMA (one
     instruction, swizzled by the TensorMap), the B rows of the valid slots by bulk copies, the scale words by
-    cp.async (4 B each: their row stride need not be 16-aligned); ``empty[slot]`` when every thread has read it.
+    cp.async (4 B each, a line per instruction); ``empty[slot]`` when every thread has read it.
     Warp 0 waits for the readers of a slot before refilling it; the other warps wait only for data, so they run
     ahead of each other by up to the whole pipeline instead of meeting at a CTA barrier per stage."""
     tid, _, _ = cute.arch.thread_idx()
@@ -3195,7 +3184,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     if warp == 0:
       if lane == 0:
         prod = ctl + CTL_PROD
-        _sts64(prod, psc_e + Int64(row0) * (kb_n * v1.WORD_BYTES))
+        _sts64(prod, psc_e + Int64(row0) * v1.WORD_BYTES)
         _sts64(prod + 8, planes)
         _sts64(prod + 16, exps)
         _sts(prod + 24, e * (kb_n * n_rows) + row0)  # the tile's first row in the TensorMap at kb = 0
@@ -3248,9 +3237,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     exps = _lds64(prod + 16)
     xe_off = self.w_bytes + SC_BYTES
     xp_off = xe_off + slots * 16
-    sc = _lds64(prod) + (Int64(lane) * kb_n + kb) * v1.WORD_BYTES
+    # The tile's scale words: one 512-B run of the MN-major scales, a 128-B line per copy instruction.
+    sc = _lds64(prod) + Int64(kb) * (n_rows * v1.WORD_BYTES) + lane * v1.WORD_BYTES
     for i in cutlass.range_constexpr(TILE_M // 32):
-      _cp4(sb + self.w_bytes + (lane + 32 * i) * 4, sc + 32 * i * kb_n * v1.WORD_BYTES)
+      _cp4(sb + self.w_bytes + (lane + 32 * i) * 4, sc + 32 * i * v1.WORD_BYTES)
     for h in cutlass.range_constexpr((slots + 31) // 32):
       slot = lane + 32 * h
       src = Int32(-1)
@@ -3329,20 +3319,11 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     bars = ctl + CTL_BARS
     if cutlass.const_expr(single == 1 and self.block_lanes):
       self._block_lane_zeros(pipe, n_st, st_bytes)
-    # (`sc_pair`: whole paired steps, so that a step's first stage is even and its slot's successor holds the second;
-    # an even K/128 for 8-B aligned word pairs)
-    scp = (self.sc_pair and per_bar == 2 and n_st % 2 == 0 and n_kb % 2 == 0 and kb_n % 2 == 0 and src is not None
-           and not kpair and tw is None and pre is None)
     for s in cutlass.range_constexpr(n_st - per_bar):
       if s < n_kb:
         self._issue(s, pipe + s * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl, n_copy,
                     kpair_bar, None if cutlass.const_expr(pre is None) else 1 - pre, src,
-                    tma=_slot_tma(tw, bars, s, n_st), scales=not scp)
-        if cutlass.const_expr(scp and s % 2 == 0):
-          self._issue_scale_pair(s, pipe + s * st_bytes, st_bytes, src[0][1])
-        if cutlass.const_expr(self.sc_none and scp and s == n_st - per_bar - 1 and s + 1 < n_kb):
-          # (`noscale`: the two slots no prologue stage fills take blocks n_st - 2 and n_st - 1's words, once)
-          self._issue_scale_pair(s + 1, pipe + (s + 1) * st_bytes, st_bytes, src[0][1])
+                    tma=_slot_tma(tw, bars, s, n_st))
       _commit()
     for kq in range(n_kb // per_bar):
       kb = kq * per_bar
@@ -3359,9 +3340,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       # where the step's stages take one fast-path test (`pair_test`): in the shared-expert variants the words held
       # across the copies cost ptxas 92 B of spills at the two-CTA cap (GLM5.2 T8).
       scws = None
-      if cutlass.const_expr(scp):
-        scws = self._scale_pair_words(pipe + (kb % n_st) * st_bytes, st_bytes)
-      elif cutlass.const_expr(self.ablation != "scalelate" and per_bar % 2 == 0 and self.pair_test):
+      if cutlass.const_expr(self.ablation != "scalelate" and per_bar % 2 == 0 and self.pair_test):
         scws = tuple(self._scale_words(pipe + ((kb + q) % n_st) * st_bytes) for q in range(per_bar))
       mid = None
       # (a step's stages all in range or all past the K loop: even depth and stage count; the mid copies take their
@@ -3375,11 +3354,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         live = nk < n_kb
         if live:
           self._issue(nk, pipe + (nk % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes,
-                      exps, ctl, n_copy, kpair_bar, src=src, scales=not scp)
-          if cutlass.const_expr(scp and not self.sc_none):
-            self._issue_scale_pair(nk, pipe + (nk % n_st) * st_bytes, st_bytes, src[0][1])
+                      exps, ctl, n_copy, kpair_bar, src=src)
           self._issue(nk + 1, pipe + ((nk + 1) % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk,
-                      planes, exps, ctl, n_copy, kpair_bar, src=src, parts="x", scales=not scp)
+                      planes, exps, ctl, n_copy, kpair_bar, src=src, parts="x")
         _commit()
         # (the slot's address again, not one value: held from here to the mid copies, ptxas spilled 24 B, not 12)
         mid = (nk + 1, pipe + ((nk + 1) % n_st) * st_bytes, pw_e, row0, n_rows, kb_n, src,
@@ -3392,9 +3369,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
           for q in cutlass.range_constexpr(per_bar):
             nk = kb + n_st - per_bar + q
             self._issue(nk, pipe + (nk % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes,
-                        exps, ctl, n_copy, kpair_bar, src=src, tma=_slot_tma(tw, bars, nk, n_st), scales=not scp)
-            if cutlass.const_expr(scp and q == 0 and not self.sc_none):
-              self._issue_scale_pair(nk, pipe + (nk % n_st) * st_bytes, st_bytes, src[0][1])
+                        exps, ctl, n_copy, kpair_bar, src=src, tma=_slot_tma(tw, bars, nk, n_st))
             _commit()
         else:
           for q in cutlass.range_constexpr(per_bar):
@@ -3626,16 +3601,6 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     """This thread's rows' (g and g + 8 of its warp's 16) scale words of the stage at ``sb``."""
     warp, _, g, _ = _lanes()
     return (_lds(sb + self.w_bytes + (16 * warp + g) * 4), _lds(sb + self.w_bytes + (16 * warp + g + 8) * 4))
-
-  @cute.jit
-  def _scale_pair_words(self, sb: Int32, st_bytes: cutlass.Constexpr):
-    """`_scale_words` of a paired step's two stages (the first at ``sb``, the second in the next slot) where
-    `_issue_scale_pair` copied them: ((row g's, row g + 8's) of the first stage, those of the second)."""
-    warp, _, g, _ = _lanes()
-    at = sb + (warp // (WARPS // 2)) * st_bytes + W_BYTES + (16 * (warp % (WARPS // 2)) + g) * 8
-    a0, a1 = _lds2(at)
-    b0, b1 = _lds2(at + 64)  # (row g + 8: 8 rows of 8 B further, in the same half)
-    return ((a0, b0), (a1, b1))
 
   @cute.jit
   def _compute(self, nt: cutlass.Constexpr, sbs, rows_fast: Int32, acc: cute.Tensor,
@@ -3959,13 +3924,12 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   def _issue(self, kb: Int32, sb: Int32, slots: cutlass.Constexpr, pw_e: Int64, psc_e: Int64, row0: Int32,
              n_rows: cutlass.Constexpr, kb_n: cutlass.Constexpr, nblk: cutlass.Constexpr, planes: Int64,
              exps: Int64, ctl: Int32, n_copy: cutlass.Constexpr = -1, per_bar: cutlass.Constexpr = 0, w_on=None,
-             src=None, parts: cutlass.Constexpr = "all", tma=None, scales: cutlass.Constexpr = True):
+             src=None, parts: cutlass.Constexpr = "all", tma=None):
     """cp.async of K128 block ``kb`` into the stage at ``sb``: weights (swizzled), scales, B planes, exponents (of the
     first ``n_copy`` slots of the stage's ``slots``; -1: all). ``src``: this thread's sources from
     `_copy_sources`, taken once per pass. ``parts`` "x" (`RoleKernelsV2.copy_mid`): all but the weights. ``tma``
     (`RoleKernelsV2.tma_w`: the pass's TensorMap data and the slot's ``full`` mbarrier, `_slot_tma`): the weights by
-    one TMA copy from thread 0 onto that mbarrier instead. ``scales`` False: no scale words (`_issue_scale_pair`
-    copies them).
+    one TMA copy from thread 0 onto that mbarrier instead.
 
     ``per_bar`` > 0 (a `kpair` pass, its stages meeting at a barrier every ``per_bar``): ``kb`` is a stage of two
     half tiles, rows row0 .. row0 + 63 of K128 tile `kpair_tile` (kb, 0) as the stage's rows 0-63 and B slots 0 ..
@@ -3974,10 +3938,9 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     w_src, x_rows = (None, None) if cutlass.const_expr(src is None) else src
     if cutlass.const_expr(parts == "x" or tma is not None):
       assert w_on is None and w_src is not None and not per_bar
-      if cutlass.const_expr(scales):
-        self._issue_scales(kb, sb, psc_e, row0, kb_n, per_bar, w_src)
+      self._issue_scales(kb, sb, psc_e, row0, n_rows, per_bar, w_src)
     elif cutlass.const_expr(w_on is None):
-      self._issue_w(kb, sb, pw_e, psc_e, row0, n_rows, kb_n, per_bar, w_src, scales=scales)
+      self._issue_w(kb, sb, pw_e, psc_e, row0, n_rows, kb_n, per_bar, w_src)
     else:
       if w_on != 0:
         self._issue_w(kb, sb, pw_e, psc_e, row0, n_rows, kb_n, per_bar, w_src)
@@ -4004,7 +3967,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     for i in cutlass.range_constexpr(W_BYTES // 16 // THREADS):
       c = tid + i * THREADS
       w.append(pw_e + Int64(row0 + c // 4) * v1.FP4_TILE_BYTES + (c % 4) * 16)
-    sc = psc_e + Int64(row0 + cutlass.min(tid, TILE_M - 1)) * (kb_n * v1.WORD_BYTES)
+    sc = psc_e + Int64(row0 + cutlass.min(tid, TILE_M - 1)) * v1.WORD_BYTES
     x_rows = None
     per_slot = 8 if self.qmma else 4 * BLOCK_BYTES // 16
     if cutlass.const_expr(n_copy * per_slot <= THREADS):
@@ -4042,33 +4005,25 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       else:
         _cp16(sb + row * 64 + ((col ^ ((row // 2) % 4)) << 4), src, Int32(16) if nbytes is None else nbytes)
     if cutlass.const_expr(scales):
-      self._issue_scales(kb, sb, psc_e, row0, kb_n, per_bar, w_src)
+      self._issue_scales(kb, sb, psc_e, row0, n_rows, per_bar, w_src)
 
   @cute.jit
-  def _issue_scale_pair(self, kb: Int32, sb: Int32, st_bytes: cutlass.Constexpr, sc_src: Int64):
-    """`RoleKernelsV2.sc_pair`: this thread's row's (tid < `TILE_M`) scale words of blocks ``kb`` (even) and kb + 1 by
-    one 8-B copy from ``sc_src`` (the row's word of block 0, `_copy_sources`); rows 0-63 into the scale area of
-    the slot at ``sb`` (block kb's), rows 64-127 into the next slot's (kb + 1's), 8 B a row
-    (`_scale_pair_words`)."""
-    tid, _, _ = cute.arch.thread_idx()
-    if tid < TILE_M:
-      _cp8(sb + (tid // (TILE_M // 2)) * st_bytes + W_BYTES + (tid % (TILE_M // 2)) * 8,
-           sc_src + Int64(kb) * v1.WORD_BYTES)
-
-  @cute.jit
-  def _issue_scales(self, kb: Int32, sb: Int32, psc_e: Int64, row0: Int32, kb_n: cutlass.Constexpr,
+  def _issue_scales(self, kb: Int32, sb: Int32, psc_e: Int64, row0: Int32, n_rows: cutlass.Constexpr,
                     per_bar: cutlass.Constexpr, w_src):
-    """`_issue_w`'s scale words."""
+    """`_issue_w`'s scale words: the stage's `TILE_M` rows' words of its K128 block are one 512-B run of the MN-major
+    scales (two runs of 256 B in a `kpair` stage of two half tiles), so each warp's 4-B copies are one 128-B line.
+    (16-B copies by one warp would take the same four line requests in fewer instructions, but cost ptxas 44 B more
+    spills in the shared-expert variants at the two-CTA cap: GLM5.2 T8 88 B against 44.)"""
     tid, _, _ = cute.arch.thread_idx()
     rows = TILE_M // (2 if cutlass.const_expr(per_bar) else 1)
     if tid < TILE_M:
       if cutlass.const_expr(per_bar):
-        _cp4(sb + W_BYTES + tid * 4,
-             psc_e + (Int64(row0 + tid % rows) * kb_n + _stage_tile(kb, tid // rows, per_bar)) * v1.WORD_BYTES)
+        src = psc_e + (Int64(_stage_tile(kb, tid // rows, per_bar)) * n_rows + row0 + tid % rows) * v1.WORD_BYTES
       elif cutlass.const_expr(w_src is not None):
-        _cp4(sb + W_BYTES + tid * 4, w_src[1] + Int64(kb) * v1.WORD_BYTES)
+        src = w_src[1] + Int64(kb) * (n_rows * v1.WORD_BYTES)
       else:
-        _cp4(sb + W_BYTES + tid * 4, psc_e + (Int64(row0 + tid) * kb_n + kb) * v1.WORD_BYTES)
+        src = psc_e + (Int64(kb) * n_rows + row0 + tid) * v1.WORD_BYTES
+      _cp4(sb + W_BYTES + tid * 4, src)
 
   @cute.jit
   def _issue_x(self, kb: Int32, sb: Int32, slots: cutlass.Constexpr, nblk: cutlass.Constexpr, planes: Int64,
