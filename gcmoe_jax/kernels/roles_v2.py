@@ -1875,7 +1875,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     pw_e, psc_e = self._expert_weights(e, pw, psc, n_rows, kb_n)
     row0 = j * TILE_M
     for s in cutlass.range_constexpr(n_pro):
-      self._issue_w(s, pipe + s * st_bytes, pw_e, psc_e, row0, n_rows, kb_n)
+      self._issue_w(s, pipe + s * st_bytes, pw_e, psc_e, row0, n_rows)
     _commit()
     if cutlass.const_expr(self.w_early_l2):
       tid, _, _ = cute.arch.thread_idx()
@@ -3315,7 +3315,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     p_set = WARPS // 2 * per_bar * KPAIR_P_BYTES
     src = None
     if cutlass.const_expr(not kpair and self.ablation != "copyaddr"):
-      src = self._copy_sources(pw_e, psc_e, row0, kb_n, n_copy, ctl)
+      src = self._copy_sources(pw_e, psc_e, row0, n_copy, ctl)
     bars = ctl + CTL_BARS
     if cutlass.const_expr(single == 1 and self.block_lanes):
       self._block_lane_zeros(pipe, n_st, st_bytes)
@@ -3682,7 +3682,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     """`RoleKernelsV2.copy_mid`: the weight chunks of block ``kb`` into the stage at ``sb`` and the commit of its
     copy group, without a branch (``nbytes`` 0 past the K loop: the copies then read nothing and zero-fill a slot
     whose stage every warp has consumed)."""
-    self._issue_w(kb, sb, pw_e, Int64(0), row0, n_rows, kb_n, 0, src[0], scales=False, nbytes=nbytes)
+    self._issue_w(kb, sb, pw_e, Int64(0), row0, n_rows, 0, src[0], scales=False, nbytes=nbytes)
     _commit()
 
   @cute.jit
@@ -3940,10 +3940,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       assert w_on is None and w_src is not None and not per_bar
       self._issue_scales(kb, sb, psc_e, row0, n_rows, per_bar, w_src)
     elif cutlass.const_expr(w_on is None):
-      self._issue_w(kb, sb, pw_e, psc_e, row0, n_rows, kb_n, per_bar, w_src)
+      self._issue_w(kb, sb, pw_e, psc_e, row0, n_rows, per_bar, w_src)
     else:
       if w_on != 0:
-        self._issue_w(kb, sb, pw_e, psc_e, row0, n_rows, kb_n, per_bar, w_src)
+        self._issue_w(kb, sb, pw_e, psc_e, row0, n_rows, per_bar, w_src)
     self._issue_x(kb, sb, slots, nblk, planes, exps, ctl, n_copy, per_bar, x_rows)
     if cutlass.const_expr(tma is not None):
       tid, _, _ = cute.arch.thread_idx()
@@ -3953,8 +3953,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         _mbar_arrive_tx(full, W_BYTES)
 
   @cute.jit
-  def _copy_sources(self, pw_e: Int64, psc_e: Int64, row0: Int32, kb_n: cutlass.Constexpr, n_copy: cutlass.Constexpr,
-                    ctl: Int32):
+  def _copy_sources(self, pw_e: Int64, psc_e: Int64, row0: Int32, n_copy: cutlass.Constexpr, ctl: Int32):
     """This thread's copy sources for a pass's stages (`_issue`, a pass that is not `kpair`'s), as (`_issue_w`'s,
     `_issue_x`'s): ((the global addresses of its weight chunks, of its scale word) at K128 block 0, to which a stage
     adds kb times their stride), and the B rows of the slots whose exponent chunk and plane chunk it copies (None
@@ -3980,8 +3979,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
 
   @cute.jit
   def _issue_w(self, kb: Int32, sb: Int32, pw_e: Int64, psc_e: Int64, row0: Int32, n_rows: cutlass.Constexpr,
-               kb_n: cutlass.Constexpr, per_bar: cutlass.Constexpr = 0, w_src=None, scales: cutlass.Constexpr = True,
-               nbytes=None):
+               per_bar: cutlass.Constexpr = 0, w_src=None, scales: cutlass.Constexpr = True, nbytes=None):
     """`_issue`'s weights and scale words: what a stage holds that the call's activations do not decide. ``w_src``:
     (the chunks' addresses, the scale word's) at block 0 (`_copy_sources`). ``scales`` False: the weights only
     (`_issue_mid`); ``nbytes`` (an Int32): the weight copies' source bytes, 16 or 0 there."""
