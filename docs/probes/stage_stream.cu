@@ -4,9 +4,11 @@
 // its K: kb_n K128 stages of 8 KB (the compact E2M1 tile, rows of 64 B, `[E, K/128, N, 64]`) and, per mode, the
 // rows' scale words (`[E, N, K/128]` int32): mode 0 none, 1 one 4-B copy per row and stage (role 2's copies), 2 one
 // 8-B copy per row and paired step (GCMOE_ABLATION=scpair); 3: the words MN-major (`[E, K/128, N]`, session 53), a
-// stage's 512-B run by 32 16-B copies. Stages sit in kSlots slots, a CTA barrier every two,
-// kSlots - 2 stages in flight (role 2's paired steps). After each barrier every thread reads its part of the step's
-// two stages from SMEM (so the copies must land) and then spins ``spin`` clocks: the stage's math stand-in.
+// stage's 512-B run by 32 16-B copies; 4: mode 3's bytes by the TMA engine (two 1-D bulk copies a stage, thread 0,
+// onto the slot's mbarrier; K128 stages per item a multiple of kSlots). Stages sit in kSlots slots, a CTA barrier
+// every two, kSlots - 2 stages in flight (role 2's paired steps). After each barrier every thread reads its part of
+// the step's two stages from SMEM (so the copies must land) and then spins ``spin`` clocks: the stage's math
+// stand-in.
 // Built three times, for 1, 2 and 3 CTAs per SM (`__launch_bounds__`), so one cubin answers whether an SM's rate
 // grows with its CTAs when the math is left out or replaced by a fixed latency.
 #include <cstdint>
@@ -42,12 +44,37 @@ __device__ __forceinline__ void wait_group() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
+// Mode 4: a stage by the TMA engine, one 1-D bulk copy of its 8 KB (and one of its 512 B of MN-major words) onto
+// the slot's mbarrier, which thread 0 arms with the bytes to expect; every thread waits on the slot's phase.
+__device__ __forceinline__ void bulk(uint32_t dst, const void* src, uint32_t bytes, uint32_t mbar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(mbar) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect(uint32_t mbar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(mbar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint32_t mbar, uint32_t parity) {
+  asm volatile("{ .reg .pred p; WAIT: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1; @!p bra WAIT; }"
+               ::"r"(mbar), "r"(parity) : "memory");
+}
+
 // Stage kb of the item at (w_item, s_item) into slot kb % kSlots; mode 2 copies the scale pair with even stages.
 __device__ __forceinline__ void issue(uint8_t* smem, const uint8_t* w_item, const uint32_t* s_item, int kb, int n_rows,
                                       int kb_n, int mode) {
   const int tid = threadIdx.x;
   uint8_t* slot = smem + (kb % kSlots) * kSlot;
   const uint8_t* src = w_item + static_cast<int64_t>(kb) * n_rows * 64;
+  if (mode == 4) {
+    if (tid == 0) {
+      const uint32_t mbar = smem_addr(smem + kSlots * kSlot + (kb % kSlots) * 8);
+      mbar_expect(mbar, kTile + kRows * 4);
+      bulk(smem_addr(slot), src, kTile, mbar);
+      bulk(smem_addr(slot + kTile), s_item + static_cast<int64_t>(kb) * n_rows, kRows * 4, mbar);
+    }
+    return;
+  }
 #pragma unroll
   for (int i = 0; i < kTile / 16 / kThreads; ++i) {
     const int c = tid + i * kThreads;
@@ -77,6 +104,14 @@ __device__ __forceinline__ void stream_body(const uint8_t* __restrict__ w, const
   const int tid = threadIdx.x;
   const int items = experts * (n_rows / kRows);
   uint32_t acc = 0;
+  if (mode == 4 && tid == 0) {
+    for (int j = 0; j < kSlots; ++j) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(smem + kSlots * kSlot + j * 8)) : "memory");
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  int uses = 0;  // (mode 4) completed phases of every slot's mbarrier before this item: kb_n / kSlots an item
   for (;;) {
     if (tid == 0) item_s = atomicAdd(counter, 1u);
     __syncthreads();
@@ -85,7 +120,7 @@ __device__ __forceinline__ void stream_body(const uint8_t* __restrict__ w, const
     if (item >= items) break;
     const int e = item / (n_rows / kRows), rb = item % (n_rows / kRows);
     const uint8_t* w_item = w + (static_cast<int64_t>(e) * kb_n * n_rows + rb * kRows) * 64;
-    const uint32_t* s_item = mode == 3 ? sc + static_cast<int64_t>(e) * kb_n * n_rows + rb * kRows
+    const uint32_t* s_item = mode >= 3 ? sc + static_cast<int64_t>(e) * kb_n * n_rows + rb * kRows
                                        : sc + (static_cast<int64_t>(e) * n_rows + rb * kRows) * kb_n;
     for (int s = 0; s < kSlots - 2; ++s) {
       if (s < kb_n) issue(smem, w_item, s_item, s, n_rows, kb_n, mode);
@@ -93,6 +128,11 @@ __device__ __forceinline__ void stream_body(const uint8_t* __restrict__ w, const
     }
     for (int kb = 0; kb < kb_n; kb += 2) {
       wait_group<kSlots - 4>();
+      if (mode == 4) {
+        for (int q = 0; q < 2; ++q) {
+          mbar_wait(smem_addr(smem + kSlots * kSlot + ((kb + q) % kSlots) * 8), (uses + (kb + q) / kSlots) & 1);
+        }
+      }
       __syncthreads();
       for (int q = 0; q < 2; ++q) {
         const int nk = kb + kSlots - 2 + q;
@@ -116,6 +156,7 @@ __device__ __forceinline__ void stream_body(const uint8_t* __restrict__ w, const
     }
     wait_group<0>();
     __syncthreads();
+    uses += kb_n / kSlots;
   }
   if (acc == 0x9e3779b9u) sink[blockIdx.x] = acc;  // (keeps the reads; practically never stores)
 }

@@ -6,7 +6,8 @@ stage is bound by something per SM. This probe streams role 2's GEMM1 items of G
 of 64 B over 48 K128 stages: 256 items of 128 rows, claimed from a counter) through the same pipeline (8 slots, a
 barrier every two stages, 6 in flight, 16-B `cp.async.cg` weight copies), with the scale words copied as role 2 does
 (mode 1: 4 B per row and stage), not at all (0), as `scpair` does (2: 8 B per row and paired step) or from the
-MN-major scales of session 53 (3: a stage's 512-B run by 32 16-B copies), at 1, 2 and 3
+MN-major scales of session 53 (3: a stage's 512-B run by 32 16-B copies), or mode 3's bytes by the TMA engine (4:
+two 1-D bulk copies a stage onto the slot's mbarrier, session 55), at 1, 2 and 3
 CTAs per SM, and a fixed spin per step in place of the math. It prints the time per pass over the weights, the
 bytes per second and the KB per us and SM, against which role 2's ~18.6 KB/us per SM at B = 1-2 (two GEMM1 items
 of 417 KB in 44.8 us) reads:
@@ -29,6 +30,7 @@ import numpy as np
 HERE = pathlib.Path(__file__).resolve().parent
 SLOT_BYTES = 128 * 64 + 128 * 8
 SLOTS = 8
+MBAR_BYTES = SLOTS * 8  # mode 4's mbarriers, after the slots
 
 
 def main(argv) -> int:
@@ -38,11 +40,14 @@ def main(argv) -> int:
   ap.add_argument("--rows", type=int, default=4096, help="weight rows per expert (GLM5.2's GEMM1: 2 I = 4096)")
   ap.add_argument("--kb", type=int, default=48, help="K128 stages per item (GLM5.2's GEMM1: H / 128 = 48)")
   ap.add_argument("--modes", default="1,0,2,3", help="scale-word copies: 0 none, 1 4 B per row and stage, "
-                  "2 8 B per row and paired step, 3 MN-major: a stage's 512-B run by 16-B copies")
+                  "2 8 B per row and paired step, 3 MN-major: a stage's 512-B run by 16-B copies, 4: mode 3's bytes by "
+                  "the TMA engine (1-D bulk copies onto an mbarrier a slot)")
   ap.add_argument("--ctas", default="1,2,3")
   ap.add_argument("--spins", default="0,1000,2000,4000", help="clocks spun per paired step after its reads")
   ap.add_argument("--iters", type=int, default=20)
   a = ap.parse_args(argv)
+  if "4" in a.modes.split(",") and a.kb % SLOTS:
+    ap.error(f"--kb must be a multiple of {SLOTS} with mode 4 (its mbarriers' phases), got {a.kb}")
 
   import torch
   from cuda.bindings import driver as cu
@@ -78,7 +83,7 @@ def main(argv) -> int:
   print("| --- | --- | --- | --- | --- | --- |")
   for ctas in (int(c) for c in a.ctas.split(",")):
     fn = ok(cu.cuModuleGetFunction(mod, f"stage_stream_{ctas}".encode()))
-    smem = SLOTS * SLOT_BYTES
+    smem = SLOTS * SLOT_BYTES + MBAR_BYTES
     ok(cu.cuFuncSetAttribute(fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem))
     resident = ok(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, 256, smem))
     for mode in (int(m) for m in a.modes.split(",")):
