@@ -80,11 +80,11 @@ def test_a_shared_expert_of_an_odd_number_of_k128_tiles_matches_the_oracle():
 
 @pytest.mark.parametrize("group", [32, 128])
 def test_the_shared_experts_token_groups_of_the_wider_variants_and_their_tails_match_the_oracle(group):
-  """Capacity 64 (two CTAs per SM, 32-row passes: `abi.PASS_TIERS`): token groups of 8; T = 33, 37, 45 and 64 end
-  in a group of 1, 5, 5 and 8 tokens. Capacity 256 (one CTA per SM): token groups of 16, two n-tiles per weight
-  decode; T = 129, 133, 141 and 144 end in a group of 1, 5, 13 and 16 tokens (the one-token, one-n-tile and
-  two-n-tile bodies)."""
-  for tokens in (33, 37, 45, 64, 129, 133, 141, 144):
+  """Capacity 64 (two CTAs per SM, 32-row passes: `abi.PASS_TIERS`): token groups of 8; T = 33, 36, 37, 45 and 64
+  end in a group of 1, 4, 5, 5 and 8 tokens. Capacity 256 (one CTA per SM): token groups of 16, two n-tiles per
+  weight decode; T = 129, 131, 133, 141 and 144 end in a group of 1, 3, 5, 13 and 16 tokens (the one-token,
+  one-n-tile and two-n-tile bodies)."""
+  for tokens in (33, 36, 37, 45, 64, 129, 131, 133, 141, 144):
     shape = dataclasses.replace(SMALL, tokens=tokens, shared_intermediate=256, shared_group=group)
     p = make_problem("default", shape, seed=tokens)
     x, w, r = quantized(p)
@@ -94,11 +94,12 @@ def test_the_shared_experts_token_groups_of_the_wider_variants_and_their_tails_m
 
 
 @pytest.mark.parametrize("group", [32, 128])
-def test_the_shared_experts_one_and_two_token_groups_match_the_oracle_on_every_case_family(group):
+def test_the_shared_experts_groups_of_one_to_four_tokens_match_the_oracle_on_every_case_family(group):
   """T = 1, 2, 9 and 10 (groups of 1 and 2, and 8 + 1, 8 + 2): the halves' body (`roles_v2._sh_two_rows`, the
-  tokens' digit planes in the columns of two n-tiles) on every case family, and with the last token scaled by
-  2**-110 (block exponents past `SH_FAST_EXP`: the two-multiplication path) or holding a NaN, bit for bit where the
-  oracle is finite."""
+  tokens' digit planes in the columns of two n-tiles); T = 3, 4, 11 and 12: groups of three and four tokens in the
+  one-n-tile body (`roles_v2._sh_tiles`, half its columns padding); on every case family, and with the last token
+  scaled by 2**-110 (block exponents past `SH_FAST_EXP`: the two-multiplication path) or holding a NaN, bit for bit
+  where the oracle is finite."""
 
   def check(name, x, w, r, clamp):
     y = np.asarray(gm.moe(x, w, r, clamp=clamp, backend="cuda"), np.float32)
@@ -108,7 +109,7 @@ def test_the_shared_experts_one_and_two_token_groups_match_the_oracle_on_every_c
     np.testing.assert_array_equal(y[ok].view(np.uint32), want[ok].view(np.uint32), err_msg=name)
 
   for family in CASE_FAMILIES:
-    for tokens in (1, 2, 9, 10):
+    for tokens in (1, 2, 3, 4, 9, 10, 11, 12):
       shape = dataclasses.replace(SMALL, tokens=tokens, shared_intermediate=256, shared_group=group)
       p = make_problem(family, shape, seed=50 + tokens)
       x, w, r = quantized(p)
@@ -587,7 +588,8 @@ def _paper_weights(model, shared):
 
 @pytest.mark.parametrize("model", sorted(PAPER))
 @pytest.mark.parametrize("shared", [False, True], ids=["routed", "shared"])
-@pytest.mark.parametrize("batch", [1, 2, 8, 32, 64, 100, 256])  # one per token capacity but 16, and the halves of B = 2
+# One per token capacity but 16, the halves of B = 2 and B = 4's four-token shared group.
+@pytest.mark.parametrize("batch", [1, 2, 4, 8, 32, 64, 100, 256])
 def test_paper_per_rank_shapes(model, shared, batch):
   h, i, e, k = PAPER[model]
   w = _paper_weights(model, shared)
