@@ -1131,6 +1131,22 @@ def test_the_threecta_build_fits_three_ctas_with_the_one_and_two_row_bodies(cach
 
 @needs_dsl
 @pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
+def test_the_shnodecode_build_leaves_out_the_shared_weights_digit_decode(cache, monkeypatch):
+  """GCMOE_ABLATION=shnodecode (timing only, results wrong; docs/kernels_v2.md "Session 55"): its own key, roles 1
+  and 3 as they are; in role 2 the shared expert's E4M3 digit decode gone (fewer prmt and SMEM word loads: the
+  table lookups), the same MMAs (no two A fragments equal, so none merged) and the same copies."""
+  normal, raw = _role2_only_ablation("shnodecode", cache, monkeypatch)
+  a, b = _ptx(normal, 2), _ptx(raw, 2)
+  assert b.count("mma.sync.aligned.m16n8k32") == a.count("mma.sync.aligned.m16n8k32") > 0
+  assert b.count("prmt.b32") < a.count("prmt.b32")
+  assert b.count("ld.shared.u32") < a.count("ld.shared.u32")
+  for op in ("cp.async.cg.shared.global", "cp.async.ca.shared.global"):
+    assert a.count(op) == b.count(op) > 0, op
+  assert raw["roles"][1]["spill_bytes"] <= build._ABLATION_SPILL_BUDGET[2]
+
+
+@needs_dsl
+@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
 def test_a_paired_steps_copies_take_one_range_test(cache, monkeypatch):
   """A paired step of a routed variant whose stages are all in range or all past the K loop issues their copies
   under one test, so that they lie in one basic block (docs/kernels_v2.md "A step's copies in one block",

@@ -618,13 +618,18 @@ def _sh_chain_f32(s1, s2, s3) -> Int32:
   return _fma(_fma(f1, F32_64, f2), F32_64, f3)
 
 
-def _sh_block_a(tile, j: int, g, tab):
+def _sh_block_a(tile, j: int, g, tab, decode: bool = True):
   """The A fragments of K32 block j of the warp's 16 weight rows (``tile``: row g's chunk pair at t4; rows g + 8
-  follow 8 rows on): the digit planes H1, H0, L1, L0 of its E4M3 bytes and F1 = H1 | L1, F0 = H0 | L0."""
+  follow 8 rows on): the digit planes H1, H0, L1, L0 of its E4M3 bytes and F1 = H1 | L1, F0 = H0 | L0. Without
+  ``decode`` (`GCMOE_ABLATION=shnodecode`, timing only, results wrong) the planes are the four raw words, rotated so
+  that no two fragments are equal (equal ones would let the compiler merge MMAs): the shared items' time without
+  `_e4m3_digits`' table loads and prmt, to tell the decode's cost from the weights' stream."""
   wa = tile + 32 * (Int32(j) ^ (g % 4))  # chunk pair j of rows g, g + 8 (`_sh_issue`'s swizzle)
   lo_words = _lds2(wa)
   hi_words = _lds2(wa + 8 * v1.K128)
-  dg = [_e4m3_digits(w, tab) for w in (lo_words[0], hi_words[0], lo_words[1], hi_words[1])]
+  words = (lo_words[0], hi_words[0], lo_words[1], hi_words[1])
+  dg = [_e4m3_digits(w, tab) if decode else tuple(words[(i + p) % 4] for p in range(SH_PLANES))
+        for i, w in enumerate(words)]
   ah1, ah0, al1, al0 = (tuple(dg[i][p] for i in range(4)) for p in range(SH_PLANES))
   return (ah1, ah0, al1, al0, tuple(ah1[i] | al1[i] for i in range(4)), tuple(ah0[i] | al0[i] for i in range(4)))
 
@@ -2511,7 +2516,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       sw = (_lds(srow), _lds(srow + 8 * 4))
       for j in cutlass.range_constexpr(4):  # the four K32 blocks of the warp's K128 tile
         lb = 4 * ts + j
-        a = _sh_block_a(tile, j, g, sb + SH_TAB)
+        a = _sh_block_a(tile, j, g, sb + SH_TAB, self.ablation != "shnodecode")
         if cutlass.const_expr(self.v.shared_group == v1.K32):
           ew = tuple(((w >> (8 * j)) & v1.BYTE_MASK) - v1.UE8M0_BIAS for w in sw)
         else:
