@@ -55,6 +55,9 @@ __device__ __forceinline__ void mbar_expect(uint32_t mbar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(mbar), "r"(bytes) : "memory");
 }
 
+// Mode 4's mbarrier of slot j, after the slots.
+__device__ __forceinline__ uint32_t slot_mbar(uint8_t* smem, int j) { return smem_addr(smem + kSlots * kSlot + j * 8); }
+
 __device__ __forceinline__ void mbar_wait(uint32_t mbar, uint32_t parity) {
   asm volatile("{ .reg .pred p; WAIT: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1; @!p bra WAIT; }"
                ::"r"(mbar), "r"(parity) : "memory");
@@ -68,7 +71,7 @@ __device__ __forceinline__ void issue(uint8_t* smem, const uint8_t* w_item, cons
   const uint8_t* src = w_item + static_cast<int64_t>(kb) * n_rows * 64;
   if (mode == 4) {
     if (tid == 0) {
-      const uint32_t mbar = smem_addr(smem + kSlots * kSlot + (kb % kSlots) * 8);
+      const uint32_t mbar = slot_mbar(smem, kb % kSlots);
       mbar_expect(mbar, kTile + kRows * 4);
       bulk(smem_addr(slot), src, kTile, mbar);
       bulk(smem_addr(slot + kTile), s_item + static_cast<int64_t>(kb) * n_rows, kRows * 4, mbar);
@@ -106,7 +109,7 @@ __device__ __forceinline__ void stream_body(const uint8_t* __restrict__ w, const
   uint32_t acc = 0;
   if (mode == 4 && tid == 0) {
     for (int j = 0; j < kSlots; ++j) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(smem + kSlots * kSlot + j * 8)) : "memory");
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(slot_mbar(smem, j)) : "memory");
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -130,7 +133,7 @@ __device__ __forceinline__ void stream_body(const uint8_t* __restrict__ w, const
       wait_group<kSlots - 4>();
       if (mode == 4) {
         for (int q = 0; q < 2; ++q) {
-          mbar_wait(smem_addr(smem + kSlots * kSlot + ((kb + q) % kSlots) * 8), (uses + (kb + q) / kSlots) & 1);
+          mbar_wait(slot_mbar(smem, (kb + q) % kSlots), (uses + (kb + q) / kSlots) & 1);
         }
       }
       __syncthreads();
