@@ -27,7 +27,7 @@ _ABLATIONS = ("nomath", "nogemm2", "widedecode", "tma", "static", "evenbodies", 
               "l2ahead", "wearly", "wearly1", "wearlyl2", "shallow", "spin", "bar4", "kbany", "kbany1",
               "kbanyeager", "trips", "shfree", "unbiased", "copyaddr",
               "scalelate", "copystep", "copyburst", "copymid", "tmaw", "blocklanes", "blocklanes1", "threecta",
-              "shnodecode")
+              "shnodecode", "lanetab")
 
 
 def _ablation(text: str) -> str:
@@ -182,7 +182,9 @@ VARS = {v.name: v for v in (
                                        "blocklanes1: the same with one chain per operand, exact, 4-9 % slower; "
                                        "threecta: three role-2 CTAs per SM at 80 registers in the routed one-GPU "
                                        "variants, every pass of one or two rows, results exact, 18-42 % slower at "
-                                       "B = 1-2 on the H100 (session 52), for A/B timing); "
+                                       "B = 1-2 on the H100 (session 52), for A/B timing; lanetab: the shared "
+                                       "expert's E4M3 decode table with a copy per lane (no SMEM bank "
+                                       "conflicts), results exact, not yet timed (session 56)); "
                                        "part of the cubin key"),
   Var("GCMOE_WAIT_TIMEOUT_MS", _wait_ms, 2000, "bound of every device spin-wait; expiry becomes a Python exception"),
   Var("GCMOE_FIRST_WAIT_TIMEOUT_MS", _wait_ms, 120_000, "bound of the spin-waits of the first call of the fused "

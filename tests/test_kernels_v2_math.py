@@ -341,6 +341,46 @@ def test_shared_digit_decode_transposes_four_bytes_into_planes():
   assert r2.SH_TAB % 1024 == 0 and r2.SH_TAB + 1024 <= r2.SH_W
 
 
+def test_shared_lane_table_is_read_and_filled_without_bank_conflicts():
+  """The per-lane decode table (`roles_v2.SH_LANE_TAB`, `GCMOE_ABLATION=lanetab`): lane l's lookup of byte i of its word (one prmt,
+  then the lane's column plus 128 x the byte) reads word (byte, l), the code's entry, so a warp's 32 lookups hit 32
+  banks whatever the codes (the single table: ~2.5 wavefronts a lookup on MXFP8 weights of a normal matrix); the
+  fill (thread c stores code c's 32 copies, rotated by c) writes every word once, a warp's stores in 32 banks."""
+  table = _digit_table()
+  words = [None] * (256 * 32)
+  for q in range(32):
+    for warp in range(8):
+      banks = set()
+      for lane in range(32):
+        c = 32 * warp + lane
+        addr = c * 128 + ((c + q) % 32) * 4  # `_shared_core`'s fill, offsets from the table
+        assert words[addr // 4] is None
+        words[addr // 4] = table[c]
+        banks.add((addr // 4) % 32)
+      assert len(banks) == 32
+  assert None not in words
+  rng = np.random.default_rng(6)
+  single, lanes = [], []
+  x = rng.standard_normal((64, 32, 128))  # MXFP8 of a normal matrix, groups of 128 (a power-of-two scale each)
+  scale = 2.0 ** np.ceil(np.log2(np.abs(x).max(axis=-1, keepdims=True) / 448))
+  codes = (x / scale).astype(ml_dtypes.float8_e4m3fn).view(np.uint8).reshape(64, 4096)
+  for r in range(0, 64, 8):
+    for k in range(0, 4096, 16):
+      ws = codes[r:r + 8, k:k + 16].reshape(32, 4).astype(np.int64)  # 8 rows x 4 lanes' words
+      ws = [int(sum(int(b) << (8 * i) for i, b in enumerate(row))) for row in ws]
+      for i in range(4):
+        addrs = [lane * 4 + _prmt(w, 0, r2.PRMT_BYTE0 + i) * 128 for lane, w in enumerate(ws)]
+        assert [words[a // 4] for a in addrs] == [table[(w >> (8 * i)) & 0xFF] for w in ws]
+        lanes.append(_wavefronts(addrs))
+        single.append(_wavefronts([4 * ((w >> (8 * i)) & 0xFF) for w in ws]))
+  assert max(lanes) == 1 and np.mean(single) > 2
+
+
+def _wavefronts(addrs: list[int]) -> int:
+  """SMEM wavefronts of one warp's 4-byte loads: the most distinct words that fall in one bank."""
+  return max(np.bincount([a // 4 % 32 for a in set(addrs)], minlength=32))
+
+
 def _f32(v: float) -> np.float32:
   return np.float32(v)  # one rounding of an exact float64 value
 
@@ -547,9 +587,12 @@ def test_shared_expert_smem_fits_the_pipeline_area_and_sm120():
       wide = arch == "sm_90a" and abi.pass_tier(t, k, e)[1] == 1  # more than 32 rows per expert at capacity t
       assert kern.ctas_per_sm(2) == (1 if wide or arch != "sm_90a" else 2)
       assert kern.sh.tokens == (r2.SH_TOKENS_WIDE if wide else r2.SH_TOKENS)
-      assert kern.shared_smem == (r2.SH_BYTES_WIDE if wide else r2.SH_BYTES)
+      assert kern.shared_smem == (r2.SH_BYTES_WIDE if wide else r2.SH_BYTES) and not kern.sh.lane_tab
       assert kern.shared_smem <= kern.pipe_bytes or arch != "sm_90a"
       assert kern.dynamic_smem(2) >= kern.pipe + kern.shared_smem
+      if arch == "sm_90a":  # `GCMOE_ABLATION=lanetab`: the table per lane, still two CTAs an SM where there were two
+        lt = r2.SharedSmem(kern.sh.tokens, lane_tab=True).bytes
+        assert lt <= kern.pipe_bytes or (not wide and 2 * (kern.pipe + lt + r2.STATIC_SMEM + 1024) <= 228 * 1024)
   half = r2.SH_ROWS // 2  # the halves of a group of one or two tokens (`_sh_two_rows`)
   slots, blocks = r2._sh_slots(half), 4 * r2._sh_tiles_per_step(half)
   assert slots * r2.SH_STEP == blocks and blocks * r2.SH_BLOCK <= slots * r2.SH_X_STRIDE  # a token's run-on fits
@@ -559,6 +602,9 @@ def test_shared_expert_smem_fits_the_pipeline_area_and_sm120():
     assert abi.HALVES_TOKENS * slots <= tokens and blocks * abi.HALVES_TOKENS <= r2.SH_STEP * tokens
     assert r2.SH_X < sh.xe < sh.p < sh.acc < sh.bytes == sh.acc + tokens * r2.SH_ROWS * 4
     assert sh.p % 16 == 0 and sh.xe % 16 == 0  # cp.async destinations, vector loads
+    lt = r2.SharedSmem(tokens, lane_tab=True)
+    assert (lt.xe, lt.p, lt.acc) == (sh.xe, sh.p, sh.acc) and sh.bytes == lt.tab == lt.bytes - r2.SH_LANE_TAB
+    assert lt.tab % 128 == 0  # a code's 32 copies in one 128-byte row
   assert r2.SH_X_STRIDE % 16 == 0 and (r2.SH_X_STRIDE // 4) % 32 == 8  # cp.async chunks; conflict-free B loads
   assert (2 * r2.SH_P_ROWS) % 32 == 8  # the C fragments' stores: 8 t4 + g covers the banks
 

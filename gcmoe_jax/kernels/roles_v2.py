@@ -253,6 +253,11 @@ SH_STEP = 8
 SH_PLANES = abi.SHARED_PLANES  # hi = 64 H1 + H0 and lo = 64 L1 + L0, each digit carrying the value's sign
 SH_BLOCK = SH_PLANES * 32  # bytes of one (token, K32 block) of digit planes
 SH_TAB = 0  # [256] u32: E4M3 byte -> its four digits (H1, H0, L1, L0); 1024-aligned, so `_e4m3_digits` ORs it in
+# The decode table with a copy per lane (`SharedSmem` ``lane_tab``, `GCMOE_ABLATION=lanetab` until it has run on a
+# GPU): word (code, lane) at 4 (32 code + lane), so each lane reads its own bank. A warp's 32 lookups of one table
+# take ~2.5 SMEM wavefronts on average where the lanes' codes differ (MXFP8 weights of a normal matrix: 254 codes,
+# conflicts between codes with equal low 5 bits), one here.
+SH_LANE_TAB = 256 * 32 * 4
 SH_W = 1024  # [2][2 tiles][64 rows][128 B], 16 B chunk c of row r at c ^ ((r & 3) << 1): conflict-free lds.64
 SH_S = SH_W + 2 * 2 * SH_ROWS * v1.K128  # [2][2][64] scale words
 SH_X_STRIDE = SH_STEP * SH_BLOCK + 32  # bytes per token and step: 8 words mod 32 banks, so B loads miss no bank twice
@@ -261,14 +266,18 @@ SH_P_ROWS = SH_ROWS + 4  # f32 per (block, token) row of the block contributions
 
 
 class SharedSmem:
-  """The shared-expert items' SMEM past `SH_X` for token groups of ``tokens`` (offsets from the pipeline area)."""
+  """The shared-expert items' SMEM past `SH_X` for token groups of ``tokens`` (offsets from the pipeline area), and
+  where the decode table lies: `SH_TAB`, or with ``lane_tab`` a copy per lane after the accumulators (`SH_LANE_TAB`
+  bytes: 102 KB at 8 tokens, 6 KB past the two-CTA pipeline area, and 138 of 144 KB at 16)."""
 
-  def __init__(self, tokens: int):
+  def __init__(self, tokens: int, lane_tab: bool = False):
     self.tokens = tokens
+    self.lane_tab = lane_tab
     self.xe = SH_X + 2 * tokens * SH_X_STRIDE  # [2][tokens][SH_STEP] block exponents
     self.p = self.xe + 2 * tokens * SH_STEP * 4  # [SH_STEP][tokens][SH_P_ROWS] f32: the step's block contributions
     self.acc = self.p + SH_STEP * tokens * SH_P_ROWS * 4  # [tokens][SH_ROWS] f32 accumulators
-    self.bytes = self.acc + tokens * SH_ROWS * 4
+    self.tab = self.acc + tokens * SH_ROWS * 4 if lane_tab else SH_TAB
+    self.bytes = self.tab + SH_LANE_TAB if lane_tab else self.acc + tokens * SH_ROWS * 4
 
 
 SH_BYTES = SharedSmem(SH_TOKENS).bytes
@@ -293,6 +302,7 @@ PRMT_BYTES01 = 0x5140
 PRMT_BYTES23 = 0x7362
 PRMT_HALVES_LO = 0x5410
 PRMT_HALVES_HI = 0x7632
+PRMT_BYTE0 = 0x4440  # + i: byte i of the first word, zero-extended (the second word is 0)
 EXPAND_SELECT = 0x5140  # prmt selector of the sm_120a seam: bytes (w0, (w >> 4)0, w1, (w >> 4)1) of a 16-bit word
 
 
@@ -594,12 +604,17 @@ def _digit_entry(code) -> Int32:
   return (h1 & 0xFF) | ((h0 & 0xFF) << 8) | ((l1 & 0xFF) << 16) | (l0 << 24)
 
 
-def _e4m3_digits(word, tab) -> tuple[Int32, Int32, Int32, Int32]:
+def _e4m3_digits(word, tab, lane_tab: bool = False) -> tuple[Int32, Int32, Int32, Int32]:
   """The four E4M3 weight bytes of ``word`` as the digit-plane words (H1, H0, L1, L0): byte i of each is that digit
-  of byte i. Four table loads (``tab`` is 1024-aligned, so the byte offset is ORed in), then a 4 x 4 byte transpose
+  of byte i. Four table loads (``tab`` is 1024-aligned, so the byte offset is ORed in; with ``lane_tab`` it is the
+  lane's column of the per-lane table, `SH_LANE_TAB`, and byte b's word lies 128 b on), then a 4 x 4 byte transpose
   by eight prmt."""
-  t = [_lds(tab | ((word << 2) & 0x3FC)), _lds(tab | ((word >> 6) & 0x3FC)), _lds(tab | ((word >> 14) & 0x3FC)),
-       _lds(tab | ((word >> 22) & 0x3FC))]
+  if lane_tab:
+    # (a byte by one prmt, then one IMAD/LEA: the shift-and-mask form took three instructions a lookup)
+    t = [_lds(tab + _prmt(word, Int32(0), Int32(PRMT_BYTE0 + i)) * 128) for i in range(4)]
+  else:
+    t = [_lds(tab | ((word << 2) & 0x3FC)), _lds(tab | ((word >> 6) & 0x3FC)), _lds(tab | ((word >> 14) & 0x3FC)),
+         _lds(tab | ((word >> 22) & 0x3FC))]
   u0 = _prmt(t[0], t[1], Int32(PRMT_BYTES01))  # (t0.b0, t1.b0, t0.b1, t1.b1)
   u1 = _prmt(t[0], t[1], Int32(PRMT_BYTES23))  # (t0.b2, t1.b2, t0.b3, t1.b3)
   w0 = _prmt(t[2], t[3], Int32(PRMT_BYTES01))
@@ -618,7 +633,7 @@ def _sh_chain_f32(s1, s2, s3) -> Int32:
   return _fma(_fma(f1, F32_64, f2), F32_64, f3)
 
 
-def _sh_block_a(tile, j: int, g, tab, decode: bool = True):
+def _sh_block_a(tile, j: int, g, tab, decode: bool = True, lane_tab: bool = False):
   """The A fragments of K32 block j of the warp's 16 weight rows (``tile``: row g's chunk pair at t4; rows g + 8
   follow 8 rows on): the digit planes H1, H0, L1, L0 of its E4M3 bytes and F1 = H1 | L1, F0 = H0 | L0. Without
   ``decode`` (`GCMOE_ABLATION=shnodecode`, timing only, results wrong) the planes are the four raw words, rotated so
@@ -628,7 +643,7 @@ def _sh_block_a(tile, j: int, g, tab, decode: bool = True):
   lo_words = _lds2(wa)
   hi_words = _lds2(wa + 8 * v1.K128)
   words = (lo_words[0], hi_words[0], lo_words[1], hi_words[1])
-  dg = [_e4m3_digits(w, tab) if decode else tuple(words[(i + p) % 4] for p in range(SH_PLANES))
+  dg = [_e4m3_digits(w, tab, lane_tab) if decode else tuple(words[(i + p) % 4] for p in range(SH_PLANES))
         for i, w in enumerate(words)]
   ah1, ah0, al1, al0 = (tuple(dg[i][p] for i in range(4)) for p in range(SH_PLANES))
   return (ah1, ah0, al1, al0, tuple(ah1[i] | al1[i] for i in range(4)), tuple(ah0[i] | al0[i] for i in range(4)))
@@ -1091,8 +1106,11 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         raise ValueError(f"roles_v2: {variant.key}: R C k = {self.rcap * v.top_k} rows per expert must stay below "
                          f"abi.ARRIVAL_CTA = {abi.ARRIVAL_CTA}")
     # Token groups of two n-tiles where the pipeline area holds their SMEM (`SH_BYTES_WIDE`, ~106 KB: the one-CTA
-    # sm_90a variants), else one (70 KB: the two-CTA variants, and SM120's 99 KB per CTA).
-    self.sh = SharedSmem(SH_TOKENS_WIDE if self.ctas == 1 and not self.qmma else SH_TOKENS)
+    # sm_90a variants), else one (70 KB: the two-CTA variants, and SM120's 99 KB per CTA). With `lanetab` the
+    # decode table per lane adds 32 KB (138 KB; 102 KB, 6 KB past the two-CTA pipeline area, still two CTAs an SM);
+    # not on SM120 nor in the fused transport's variants (its small shape's role 2 spilled 156 B with it, budget 64).
+    lane_tab = self.ablation == "lanetab" and not self.qmma and v.ranks == 1
+    self.sh = SharedSmem(SH_TOKENS_WIDE if self.ctas == 1 and not self.qmma else SH_TOKENS, lane_tab)
     self.shared_smem = self.sh.bytes if v.shared else 0
     if self.qmma:
       # SM120's budget (99 KB per CTA, 100 KB per SM: `geometry.RTX_PRO_5000`): as many stages as fit c CTAs.
@@ -2401,7 +2419,14 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     n_steps = -(-k_tiles // _sh_tiles_per_step(rows))
     for i in range(tid, self.sh.tokens * SH_ROWS, THREADS):
       _sts(sb + self.sh.acc + i * 4, Int32(0))
-    _sts(sb + SH_TAB + tid * 4, _digit_entry(tid))  # 256 threads, 256 codes: read after the first step's barrier
+    # The decode table, read after the first step's barrier: 256 threads, 256 codes; a code's copies rotated by the
+    # thread, so that a warp's stores hit 32 banks.
+    entry = _digit_entry(tid)
+    if cutlass.const_expr(self.sh.lane_tab):
+      for q in cutlass.range_constexpr(32):
+        _sts(sb + self.sh.tab + tid * 128 + ((tid + q) % 32) * 4, entry)
+    else:
+      _sts(sb + SH_TAB + tid * 4, entry)
     self._sh_issue(tbc, Int32(0), Int32(0), nt, t0, pw, psc, n, k, row0, ap, ae, sb, rows)
     _commit()
     for s in range(n_steps):
@@ -2506,6 +2531,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     warp's block lies within `SH_FAST_EXP`). The K order of the MMA is permuted the same way for A and B (thread t4
     holds the bytes 8 t4 .. 8 t4 + 7 of a block, in one 8-byte load), which leaves every integer sum as it is."""
     warp, lane, g, t4 = _lanes()
+    tab = sb + self.sh.tab + (lane * 4 if self.sh.lane_tab else 0)
     tps = _sh_tiles_per_step(rows)
     mt = warp % (rows // 16)
     ts = warp // (rows // 16)
@@ -2516,7 +2542,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       sw = (_lds(srow), _lds(srow + 8 * 4))
       for j in cutlass.range_constexpr(4):  # the four K32 blocks of the warp's K128 tile
         lb = 4 * ts + j
-        a = _sh_block_a(tile, j, g, sb + SH_TAB, self.ablation != "shnodecode")
+        a = _sh_block_a(tile, j, g, tab, self.ablation != "shnodecode", self.sh.lane_tab)
         if cutlass.const_expr(self.v.shared_group == v1.K32):
           ew = tuple(((w >> (8 * j)) & v1.BYTE_MASK) - v1.UE8M0_BIAS for w in sw)
         else:
