@@ -342,10 +342,11 @@ def test_shared_digit_decode_transposes_four_bytes_into_planes():
 
 
 def test_shared_lane_table_is_read_and_filled_without_bank_conflicts():
-  """The per-lane decode table (`roles_v2.SH_LANE_TAB`, `GCMOE_ABLATION=lanetab`): lane l's lookup of byte i of its word (one prmt,
-  then the lane's column plus 128 x the byte) reads word (byte, l), the code's entry, so a warp's 32 lookups hit 32
-  banks whatever the codes (the single table: ~2.5 wavefronts a lookup on MXFP8 weights of a normal matrix); the
-  fill (thread c stores code c's 32 copies, rotated by c) writes every word once, a warp's stores in 32 banks."""
+  """The per-lane decode table (`roles_v2.SH_LANE_TAB`, `GCMOE_ABLATION=lanetab`): lane l's lookup of byte i of its
+  word (one prmt, then the lane's column plus 128 x the byte) reads word (byte, l), the code's entry, so a warp's 32
+  lookups hit 32 banks whatever the codes (the single table: ~2.5 wavefronts a lookup on MXFP8 weights of a normal
+  matrix); the fill (thread c stores code c's 32 copies, rotated by c) writes every word once, a warp's stores in 32
+  banks."""
   table = _digit_table()
   words = [None] * (256 * 32)
   for q in range(32):
