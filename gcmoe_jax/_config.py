@@ -27,7 +27,7 @@ _ABLATIONS = ("nomath", "nogemm2", "widedecode", "tma", "static", "evenbodies", 
               "l2ahead", "wearly", "wearly1", "wearlyl2", "shallow", "spin", "bar4", "kbany", "kbany1",
               "kbanyeager", "trips", "shfree", "unbiased", "copyaddr",
               "scalelate", "copystep", "copyburst", "copymid", "tmaw", "blocklanes", "blocklanes1", "threecta",
-              "shnodecode", "lanetab")
+              "shnodecode", "lanetab", "smempad")
 
 
 def _ablation(text: str) -> str:
@@ -184,7 +184,10 @@ VARS = {v.name: v for v in (
                                        "variants, every pass of one or two rows, results exact, 18-42 % slower at "
                                        "B = 1-2 on the H100 (session 52), for A/B timing; lanetab: the shared "
                                        "expert's E4M3 decode table with a copy per lane (no SMEM bank "
-                                       "conflicts), results exact, not yet timed (session 56)); "
+                                       "conflicts), results exact, 0-6 % slower at B = 1-16 "
+                                       "with the shared expert on the H100 (session 57), for A/B timing; "
+                                       "smempad: the shared variants' role 2 with lanetab's 32 KB more SMEM "
+                                       "and the single table, results exact, for A/B timing); "
                                        "part of the cubin key"),
   Var("GCMOE_WAIT_TIMEOUT_MS", _wait_ms, 2000, "bound of every device spin-wait; expiry becomes a Python exception"),
   Var("GCMOE_FIRST_WAIT_TIMEOUT_MS", _wait_ms, 120_000, "bound of the spin-waits of the first call of the fused "

@@ -1148,11 +1148,11 @@ def test_the_shnodecode_build_leaves_out_the_shared_weights_digit_decode(cache, 
 @needs_dsl
 @pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
 def test_the_lanetab_build_gives_every_lane_its_own_decode_table(cache, monkeypatch):
-  """GCMOE_ABLATION=lanetab (exact by construction, not yet run on a GPU; docs/kernels_v2.md "Session 56"): its own
+  """GCMOE_ABLATION=lanetab (exact; slower on the H100, docs/kernels_v2.md "Session 56", "Session 57"): its own
   key, roles 1 and 3 as they are; in role 2 the shared expert's E4M3 decode table with a copy per lane, so a warp's
   lookups hit 32 banks: each thread stores its code's 32 copies (31 more SMEM stores a shared core), the lookups as
   many as before, the same MMAs and copies, the SMEM 32 KB more for the shared items at the CTAs an SM as before, and
-  spills within the normal builds' budget (it is meant to become the default)."""
+  spills within the normal builds' budget (it was meant to become the default)."""
   normal, lanes = _role2_only_ablation("lanetab", cache, monkeypatch)
   a, b = _ptx(normal, 2), _ptx(lanes, 2)
   stores = b.count("st.shared.u32") - a.count("st.shared.u32")
@@ -1162,6 +1162,24 @@ def test_the_lanetab_build_gives_every_lane_its_own_decode_table(cache, monkeypa
   n, m = normal["roles"][1], lanes["roles"][1]
   assert m["ctas_per_sm"] == n["ctas_per_sm"] and m["dynamic_smem"] > n["dynamic_smem"]
   assert m["spill_bytes"] <= (build._SPILL_BUDGET[2] if m["ctas_per_sm"] > 1 else 0)
+
+
+@needs_dsl
+@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
+def test_the_smempad_build_gives_role2_lanetabs_smem_with_the_single_table(cache, monkeypatch):
+  """GCMOE_ABLATION=smempad (timing, exact; docs/kernels_v2.md "Session 57"): its own key, roles 1 and 3 as they are;
+  role 2 allocates `lanetab`'s SMEM at the CTAs an SM as before, and runs the normal build's code: the same SMEM
+  stores, loads, MMAs and copies."""
+  normal, pad = _role2_only_ablation("smempad", cache, monkeypatch)
+  monkeypatch.setenv("GCMOE_ABLATION", "lanetab")
+  lanes = build.compile_variant("sm_90a", SMALL_SHARED, cache_dir=cache)
+  n, m = normal["roles"][1], pad["roles"][1]
+  assert m["dynamic_smem"] == lanes["roles"][1]["dynamic_smem"] > n["dynamic_smem"]
+  assert m["ctas_per_sm"] == n["ctas_per_sm"]
+  a, b = _ptx(normal, 2), _ptx(pad, 2)
+  for op in ("st.shared.u32", "ld.shared.u32", "mma.sync.aligned.m16n8k32", "cp.async.cg.shared.global",
+             "cp.async.ca.shared.global"):
+    assert a.count(op) == b.count(op) > 0, op
 
 
 @needs_dsl

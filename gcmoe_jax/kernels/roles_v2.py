@@ -253,10 +253,10 @@ SH_STEP = 8
 SH_PLANES = abi.SHARED_PLANES  # hi = 64 H1 + H0 and lo = 64 L1 + L0, each digit carrying the value's sign
 SH_BLOCK = SH_PLANES * 32  # bytes of one (token, K32 block) of digit planes
 SH_TAB = 0  # [256] u32: E4M3 byte -> its four digits (H1, H0, L1, L0); 1024-aligned, so `_e4m3_digits` ORs it in
-# The decode table with a copy per lane (`SharedSmem` ``lane_tab``, `GCMOE_ABLATION=lanetab` until it has run on a
-# GPU): word (code, lane) at 4 (32 code + lane), so each lane reads its own bank. A warp's 32 lookups of one table
-# take ~2.5 SMEM wavefronts on average where the lanes' codes differ (MXFP8 weights of a normal matrix: 254 codes,
-# conflicts between codes with equal low 5 bits), one here.
+# The decode table with a copy per lane (`SharedSmem` ``lane_tab``, `GCMOE_ABLATION=lanetab`: exact, and 0-6 %
+# slower on the H100 in session 57, so not the default): word (code, lane) at 4 (32 code + lane), so each lane reads
+# its own bank. A warp's 32 lookups of one table take ~2.5 SMEM wavefronts on average where the lanes' codes differ
+# (MXFP8 weights of a normal matrix: 254 codes, conflicts between codes with equal low 5 bits), one here.
 SH_LANE_TAB = 256 * 32 * 4
 SH_W = 1024  # [2][2 tiles][64 rows][128 B], 16 B chunk c of row r at c ^ ((r & 3) << 1): conflict-free lds.64
 SH_S = SH_W + 2 * 2 * SH_ROWS * v1.K128  # [2][2][64] scale words
@@ -1112,6 +1112,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     lane_tab = self.ablation == "lanetab" and not self.qmma and v.ranks == 1
     self.sh = SharedSmem(SH_TOKENS_WIDE if self.ctas == 1 and not self.qmma else SH_TOKENS, lane_tab)
     self.shared_smem = self.sh.bytes if v.shared else 0
+    if self.ablation == "smempad" and v.shared and not self.qmma and v.ranks == 1:
+      self.shared_smem += SH_LANE_TAB  # (timing: `lanetab`'s SMEM with the single table, session 57)
     if self.qmma:
       # SM120's budget (99 KB per CTA, 100 KB per SM: `geometry.RTX_PRO_5000`): as many stages as fit c CTAs.
       dev = geometry.RTX_PRO_5000
