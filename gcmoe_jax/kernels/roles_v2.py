@@ -276,8 +276,9 @@ class SharedSmem:
     self.xe = SH_X + 2 * tokens * SH_X_STRIDE  # [2][tokens][SH_STEP] block exponents
     self.p = self.xe + 2 * tokens * SH_STEP * 4  # [SH_STEP][tokens][SH_P_ROWS] f32: the step's block contributions
     self.acc = self.p + SH_STEP * tokens * SH_P_ROWS * 4  # [tokens][SH_ROWS] f32 accumulators
-    self.tab = self.acc + tokens * SH_ROWS * 4 if lane_tab else SH_TAB
-    self.bytes = self.tab + SH_LANE_TAB if lane_tab else self.acc + tokens * SH_ROWS * 4
+    end = self.acc + tokens * SH_ROWS * 4
+    self.tab = end if lane_tab else SH_TAB
+    self.bytes = end + SH_LANE_TAB if lane_tab else end
 
 
 SH_BYTES = SharedSmem(SH_TOKENS).bytes
@@ -1109,11 +1110,12 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # sm_90a variants), else one (70 KB: the two-CTA variants, and SM120's 99 KB per CTA). With `lanetab` the
     # decode table per lane adds 32 KB (138 KB; 102 KB, 6 KB past the two-CTA pipeline area, still two CTAs an SM);
     # not on SM120 nor in the fused transport's variants (its small shape's role 2 spilled 156 B with it, budget 64).
-    lane_tab = self.ablation == "lanetab" and not self.qmma and v.ranks == 1
-    self.sh = SharedSmem(SH_TOKENS_WIDE if self.ctas == 1 and not self.qmma else SH_TOKENS, lane_tab)
-    self.shared_smem = self.sh.bytes if v.shared else 0
-    if self.ablation == "smempad" and v.shared and not self.qmma and v.ranks == 1:
-      self.shared_smem += SH_LANE_TAB  # (timing: `lanetab`'s SMEM with the single table, session 57)
+    lane_tabs = not self.qmma and v.ranks == 1  # (where a table per lane may go)
+    self.sh = SharedSmem(SH_TOKENS_WIDE if self.ctas == 1 and not self.qmma else SH_TOKENS,
+                         self.ablation == "lanetab" and lane_tabs)
+    # `smempad` (timing, session 57): `lanetab`'s SMEM, the single table's code
+    sized = SharedSmem(self.sh.tokens, True) if self.ablation == "smempad" and lane_tabs else self.sh
+    self.shared_smem = sized.bytes if v.shared else 0
     if self.qmma:
       # SM120's budget (99 KB per CTA, 100 KB per SM: `geometry.RTX_PRO_5000`): as many stages as fit c CTAs.
       dev = geometry.RTX_PRO_5000
