@@ -1,0 +1,109 @@
+"""The BF16 wide pass of role 2 (docs/kernels_v2.md "Session 58"): its operand maps and weight decode, as a model.
+
+Role 2's wide passes may run on BF16 ``wgmma`` with the block scales folded into the operands: an E2M1 weight times
+its block's ``2**ew`` and an E4M3 activation times its ``2**ex`` are exact in BF16, their products exact in FP32,
+and each K32 block summed on its own by the tensor cores then added in FP32 meets the numerics bar (measured: worst
+cosine 0.9999999999 to ``reference.moe_emulated``; one sum over all of K does not). The kernel is not built yet; this
+module is the contract it will be built to, checked on the CPU (``tests/test_bf16fold.py``):
+
+- **The lane's word.** A (row, K32 block) of the routed payload is 16 bytes, byte i holding the codes of K 2i (low
+  nibble) and 2i + 1. Lane t4 of a quad takes bytes t4, t4 + 4, t4 + 8, t4 + 12 (a 4 x 4 byte transpose, as the int8
+  decode does): `lane_word`, whose byte i holds K 8i + 2 t4 and 8i + 2 t4 + 1.
+- **The decode** (`decode_pair`): register j of the lane's four per row takes the codes in nibbles j and j + 4; one
+  shift puts them at bits 6-9 and 22-25, where their magnitudes are BF16 patterns of ``2**-126`` times the E2M1
+  value (0.5 is the BF16 subnormal ``2**-127``), an integer multiply-add moves the signs to bits 15 and 31, and one
+  ``mul.rn.bf16x2`` by ``2**(126 + ew)`` (`fold_scale`) gives the folded weights exactly: 5 instructions per
+  register, for ``ew <= E2M1_MAX_EW``.
+- **The K order.** wgmma's A fragment gives lane t4 the positions ``FRAGMENT_POSITIONS(t4)`` of the block's 32;
+  register j's pair is ``lane_word``'s nibbles (j, j + 4), so the fragment holds the physical K `fragment_k(t4)`.
+  Over the four lanes that is a permutation of the block's K (`B_PLANE_ORDER`), so the activation plane (B, written
+  by phase 0 and the GEMM1 requant) is stored in that order and the weights keep their layout.
+
+When a kernel imports these constants, this file joins `build._KERNEL_SOURCES` (the cubins' key).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+__all__ = ["B_PLANE_ORDER", "E2M1_MAX_EW", "E2M1_MAG_MASK", "E2M1_SIGN_MASK", "decode_pair", "fold_scale",
+           "fragment_k", "fragment_positions", "lane_word"]
+
+E2M1_MAG_MASK = 0x01C001C0  # after the shift: the two codes' magnitude bits (BF16 bits 6-8 of each half)
+E2M1_SIGN_MASK = 0x02000200  # ... and their sign bits, 6 below the halves' sign bits 15 and 31
+E2M1_PLACED_EXP = -126  # a placed magnitude is 2**-126 times the E2M1 value
+E2M1_MAX_EW = 1  # 2**(126 + ew) must be a finite BF16: larger weight scales take the int8 path
+BF16_EXP_BIAS = 127
+
+
+def fragment_positions(t4: int) -> list[int]:
+  """wgmma m64nNk16's A fragment columns of lane t4 over a K32 block's two k16 steps, in register-half order."""
+  base = [2 * t4, 2 * t4 + 1, 2 * t4 + 8, 2 * t4 + 9]
+  return base + [16 + f for f in base]
+
+
+def lane_word(block: np.ndarray, t4: int) -> int:
+  """The 32-bit word of lane t4 from a (row, K32 block)'s 16 payload bytes: bytes t4, t4 + 4, t4 + 8, t4 + 12."""
+  b = np.asarray(block, np.uint8).reshape(16)
+  return sum(int(b[4 * i + t4]) << (8 * i) for i in range(4))
+
+
+def _word_k(t4: int) -> list[int]:
+  """Physical K of `lane_word`'s nibbles 0..7: byte i holds K 8i + 2 t4 (low nibble) and 8i + 2 t4 + 1."""
+  return [8 * (n // 2) + 2 * t4 + n % 2 for n in range(8)]
+
+
+def fragment_k(t4: int) -> list[int]:
+  """Physical K held at lane t4's fragment positions (`fragment_positions` order).
+
+  Register r of a row (r = 0, 1: the first k16 step's pairs at 2 t4 and 2 t4 + 8; r = 2, 3: the second's) is
+  decoded from nibbles (r, r + 4) of the lane's word: its low half from nibble r, its high half from r + 4.
+  """
+  k = _word_k(t4)
+  return [k[n] for r in range(4) for n in (r, r + 4)]
+
+
+def _b_plane_order() -> np.ndarray:
+  order = np.full(32, -1, np.int64)
+  for t4 in range(4):
+    for pos, k in zip(fragment_positions(t4), fragment_k(t4)):
+      order[pos] = k
+  return order
+
+
+B_PLANE_ORDER = _b_plane_order()  # B_PLANE_ORDER[f] = the physical K whose activation the plane holds at position f
+
+
+def fold_scale(ew: int) -> int:
+  """bf16x2 bits of ``2**(126 + ew)`` in both halves, the multiplier of `decode_pair`."""
+  if ew > E2M1_MAX_EW:
+    raise ValueError(f"fold_scale: ew must be <= {E2M1_MAX_EW} (2**(126 + ew) a finite BF16), got {ew}")
+  e = -E2M1_PLACED_EXP + ew + BF16_EXP_BIAS
+  if e < 1:
+    raise ValueError(f"fold_scale: ew must be >= {1 - BF16_EXP_BIAS + E2M1_PLACED_EXP}, got {ew}")
+  h = e << 7
+  return h | (h << 16)
+
+
+def _bf16_of_bits(bits: int) -> float:
+  return float(np.array([bits], np.uint16).view(ml_dtypes.bfloat16)[0])
+
+
+def _bf16_mul(a_bits: int, b_bits: int) -> int:
+  """One half of ``mul.rn.bf16x2``: the product of two BF16 values rounded to BF16 (exact here: checked)."""
+  p = _bf16_of_bits(a_bits) * _bf16_of_bits(b_bits)
+  out = np.array([p], np.float32).astype(ml_dtypes.bfloat16)
+  if float(out[0]) != p:
+    raise ArithmeticError(f"the BF16 product {p} is not exact")
+  return int(out.view(np.uint16)[0])
+
+
+def decode_pair(word: int, r: int, scale2: int) -> int:
+  """bf16x2 bits of register r's two folded weights from the lane's word (the kernel's 5 instructions)."""
+  s = 6 - 4 * r
+  x = ((word << s) if s > 0 else (word >> -s)) & 0xFFFFFFFF
+  placed = ((x & E2M1_SIGN_MASK) * 64 + (x & E2M1_MAG_MASK)) & 0xFFFFFFFF  # IMAD: the signs to bits 15, 31
+  lo = _bf16_mul(placed & 0xFFFF, scale2 & 0xFFFF)
+  hi = _bf16_mul(placed >> 16, scale2 >> 16)
+  return lo | (hi << 16)

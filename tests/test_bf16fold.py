@@ -1,0 +1,67 @@
+"""The BF16 wide pass's decode and operand maps (`gcmoe_jax.kernels.bf16fold`), checked on the CPU over every code.
+
+The pass itself is not built yet (docs/kernels_v2.md "Session 58"); these pin down the contract it will be built to:
+every E2M1 code decodes to its folded BF16 value, and the fragment's K order is a permutation that the activation
+plane can follow, so a block's dot through the maps is the block's dot.
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from gcmoe_jax import formats
+from gcmoe_jax.kernels import bf16fold as bf
+
+E2M1 = np.asarray(formats.decode_e2m1(np.arange(16, dtype=np.uint8)), np.float64)
+
+
+def _halves(bits: int) -> tuple[float, float]:
+  v = np.array([bits & 0xFFFF, bits >> 16], np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
+  return float(v[0]), float(v[1])
+
+
+def test_fragment_k_order_is_a_permutation_of_the_block():
+  assert sorted(bf.B_PLANE_ORDER.tolist()) == list(range(32))
+  for t4 in range(4):
+    assert sorted(bf.fragment_positions(t4)) == sorted({2 * t4, 2 * t4 + 1, 2 * t4 + 8, 2 * t4 + 9} |
+                                                       {16 + 2 * t4, 17 + 2 * t4, 24 + 2 * t4, 25 + 2 * t4})
+    # The lane's K are those of its payload bytes t4, t4 + 4, t4 + 8, t4 + 12.
+    assert sorted(bf.fragment_k(t4)) == sorted(2 * (4 * i + t4) + h for i in range(4) for h in range(2))
+
+
+@pytest.mark.parametrize("ew", [-63, -20, -9, -1, 0, 1])
+def test_every_code_pair_decodes_to_its_folded_weight(ew):
+  scale2 = bf.fold_scale(ew)
+  for r in range(4):
+    for c0 in range(16):
+      for c1 in range(16):
+        # Nibbles r and r + 4 carry the pair; the other nibbles hold other codes, which must not leak in.
+        word = (c0 << (4 * r)) | (c1 << (4 * (r + 4)))
+        other = (0x9ABCDEF1 >> 0) & ~((0xF << (4 * r)) | (0xF << (4 * (r + 4)))) & 0xFFFFFFFF
+        lo, hi = _halves(bf.decode_pair(word | other, r, scale2))
+        assert (lo, hi) == (E2M1[c0] * 2.0**ew, E2M1[c1] * 2.0**ew), (r, c0, c1, ew)
+        assert np.signbit(lo) == (c0 >= 8) and np.signbit(hi) == (c1 >= 8)
+
+
+def test_fold_scale_rejects_a_weight_scale_beyond_bf16():
+  with pytest.raises(ValueError, match="ew must be <= 1"):
+    bf.fold_scale(2)
+  assert bf.fold_scale(1) == ((254 << 7) | (254 << 23))
+
+
+def test_a_block_dot_through_the_maps_is_the_block_dot():
+  rng = np.random.default_rng(0)
+  for _ in range(50):
+    codes = rng.integers(0, 16, 32)
+    payload = (codes[0::2] | (codes[1::2] << 4)).astype(np.uint8)  # byte i: K 2i low, 2i + 1 high
+    ew = int(rng.integers(-12, 2))
+    x = rng.normal(size=32) * 2.0 ** rng.integers(-8, 8)
+    x = np.asarray(np.asarray(x, np.float32).astype(ml_dtypes.float8_e4m3fn), np.float64)  # E4M3 values
+    plane = x[bf.B_PLANE_ORDER]  # the activation plane in the fragment's K order
+    got = 0.0
+    for t4 in range(4):
+      word = bf.lane_word(payload, t4)
+      vals = [v for r in range(4) for v in _halves(bf.decode_pair(word, r, bf.fold_scale(ew)))]
+      got += sum(a * plane[p] for a, p in zip(vals, bf.fragment_positions(t4)))
+    want = float(np.sum(E2M1[codes] * 2.0**ew * x))
+    assert got == want  # every product and partial sum is exact in float64
