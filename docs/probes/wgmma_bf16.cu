@@ -18,7 +18,9 @@
 //      sum per block (the form that meets the bar), added by one FADD per element while the next block's wgmma runs
 //      on a second accumulator set; k32s: k32 with the weight scale in an FFMA there instead of the mul.bf16x2
 //      (the activations carry 2**100, the weights stay 2**-126 w: BF16 subnormal inputs for the code 0.5); mode
-//      nodecode: the chain's MMAs on undecoded words (the tensor cores' time alone).
+//      nodecode: the chain's MMAs on undecoded words (the tensor cores' time alone); k32r: k32 on the weights'
+//      real layout (16 payload bytes per (row, block), the lane's word gathered by three prmt, the activation plane
+//      in gcmoe_jax.kernels.bf16fold.B_PLANE_ORDER): the maps of the CPU model, on the tensor cores.
 // Four blocks (a K128 stage) per loop trip, the next block's decode issued while the previous block's wgmma runs,
 // nothing in flight across the back edge (ptxas serializes every wgmma otherwise: C7514). Two warpgroups per CTA
 // (128 rows, as role 2's items), as many CTAs per SM as fit.
@@ -54,7 +56,7 @@ namespace {
 constexpr int ROWS = 128;  // weight rows per CTA: two warpgroups of 64
 constexpr int NB = 8;      // K32 blocks resident in SMEM
 constexpr int THREADS = 256;
-enum Mode { CHAIN = 0, K128 = 1, NODECODE = 2, K32 = 3, K32S = 4 };
+enum Mode { CHAIN = 0, K128 = 1, NODECODE = 2, K32 = 3, K32S = 4, K32R = 5 };
 
 __device__ __forceinline__ void wgmma_block_n8(float* d, const uint32_t a[8], uint64_t desc0, uint64_t desc1,
                                                   int accumulate) {
@@ -143,6 +145,12 @@ __device__ __forceinline__ uint32_t dec2(uint32_t w, uint32_t scale2) {
   return r;
 }
 
+// K32R: the lane's word from a (row, block)'s 16 payload bytes in the real layout (byte i: K 2i low nibble, 2i + 1
+// high): bytes t4, t4 + 4, t4 + 8, t4 + 12 (gcmoe_jax.kernels.bf16fold.lane_word), by three prmt.
+__device__ __forceinline__ uint32_t lane_word(uint4 v, uint32_t sel) {
+  return __byte_perm(__byte_perm(v.x, v.y, sel), __byte_perm(v.z, v.w, sel), 0x5410);
+}
+
 template <int T>
 struct Smem {
   static constexpr int A_BYTES = NB * ROWS * 16;  // [block][row][lane % 4] words
@@ -192,7 +200,15 @@ __global__ void __launch_bounds__(THREADS) fold(const uint32_t* ga, const uint16
   // first step's K 2t4 (+1) and 2t4 + 8 (+9), j = 2, 3 the second's.
   auto decode = [&](uint32_t* a, int q) {
     const int b = q % NB;
-    const uint32_t w0 = sa[(b * ROWS + row0) * 4 + t4], w1 = sa[(b * ROWS + row0 + 8) * 4 + t4];
+    uint32_t w0, w1;
+    if constexpr (MODE == K32R) {
+      const uint32_t sel = t4 | (t4 + 4) << 4;
+      w0 = lane_word(*reinterpret_cast<const uint4*>(sa + (b * ROWS + row0) * 4), sel);
+      w1 = lane_word(*reinterpret_cast<const uint4*>(sa + (b * ROWS + row0 + 8) * 4), sel);
+    } else {
+      w0 = sa[(b * ROWS + row0) * 4 + t4];
+      w1 = sa[(b * ROWS + row0 + 8) * 4 + t4];
+    }
     if constexpr (MODE == NODECODE) {
       a[0] = w0; a[1] = w1; a[2] = w0 >> 1; a[3] = w1 >> 1;
       a[4] = w0 >> 2; a[5] = w1 >> 2; a[6] = w0 >> 3; a[7] = w1 >> 3;
@@ -229,7 +245,7 @@ __global__ void __launch_bounds__(THREADS) fold(const uint32_t* ga, const uint16
     }
   };
   uint32_t a0[8], a1[8];
-  if constexpr (MODE == K32 || MODE == K32S) {
+  if constexpr (MODE == K32 || MODE == K32S || MODE == K32R) {
     for (int q = 0; q < nblk; q += 4) {
       decode(a0, q);
       pin<R>(d);
@@ -287,6 +303,9 @@ __global__ void __launch_bounds__(THREADS) fold(const uint32_t* ga, const uint16
 
 // ---- host ----------------------------------------------------------------------------------------------------
 
+// gcmoe_jax.kernels.bf16fold.B_PLANE_ORDER: position f of a K32 block's activation plane holds K kPlaneOrder[f].
+constexpr int kPlaneOrder[32] = {0, 16, 2, 18, 4, 20, 6, 22, 1, 17, 3, 19, 5, 21, 7, 23,
+                                 8, 24, 10, 26, 12, 28, 14, 30, 9, 25, 11, 27, 13, 29, 15, 31};
 constexpr int kC = 100;  // K32S: the activations carry 2**kC, the FFMA's scale 2**(126 - kC + ew)
 const double kE2M1[16] = {0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6};
 
@@ -359,15 +378,21 @@ double run(const Problem& p, int nblk, int grid, uint32_t lbo, uint32_t sbo, std
         // Nibbles (j, j + 4) = register j's K pair: 2l, 2l + 8 (step 0), 16 + 2l, 24 + 2l (step 1), then + 1.
         const int ks[8] = {2 * l, 2 * l + 8, 16 + 2 * l, 24 + 2 * l, 2 * l + 1, 2 * l + 9, 17 + 2 * l, 25 + 2 * l};
         uint32_t w = 0;
-        for (int i = 0; i < 8; ++i) w |= static_cast<uint32_t>(p.codes[(b * ROWS + r) * 32 + ks[i]]) << (4 * i);
+        for (int i = 0; i < 8; ++i) {
+          // K32R: word l of the real payload, byte j = the codes of K 8 l + 2 j (low nibble) and + 1.
+          const int k = MODE == K32R ? 8 * l + 2 * (i / 2) + i % 2 : ks[i];
+          w |= static_cast<uint32_t>(p.codes[(b * ROWS + r) * 32 + k]) << (4 * i);
+        }
         a[(b * ROWS + r) * 4 + l] = w;
       }
   std::vector<uint16_t> bimg(S::B_BYTES / 2);
   for (int b = 0; b < NB; ++b)
     for (int t = 0; t < T; ++t)
       for (int k = 0; k < 32; ++k) {
+        // Position k of the plane; K32R: it holds the activation of K kPlaneOrder[k] (bf16fold.B_PLANE_ORDER).
         const int idx = ((k / 8) * (T / 8) + t / 8) * 64 + (t % 8) * 8 + k % 8;
-        bimg[b * (S::B_BLOCK / 2) + idx] = bf16_bits(std::ldexp(p.x[(b * T + t) * 32 + k], MODE == K32S ? kC : 0));
+        const int src = MODE == K32R ? kPlaneOrder[k] : k;
+        bimg[b * (S::B_BLOCK / 2) + idx] = bf16_bits(std::ldexp(p.x[(b * T + t) * 32 + src], MODE == K32S ? kC : 0));
       }
   std::vector<uint32_t> simg(S::S_BYTES / 4);
   for (int b = 0; b < NB; ++b)
@@ -426,7 +451,7 @@ int per_sm_of() {
   return per_sm;
 }
 
-const char* kModes[5] = {"chain", "k128", "nodecode", "k32", "k32s"};
+const char* kModes[6] = {"chain", "k128", "nodecode", "k32", "k32s", "k32r"};
 
 template <int T>
 double run_mode(int mode, const Problem& p, int nblk, int grid, uint32_t lbo, uint32_t sbo, std::vector<float>* r) {
@@ -435,7 +460,8 @@ double run_mode(int mode, const Problem& p, int nblk, int grid, uint32_t lbo, ui
     case K128: return run<T, K128>(p, nblk, grid, lbo, sbo, r);
     case NODECODE: return run<T, NODECODE>(p, nblk, grid, lbo, sbo, r);
     case K32: return run<T, K32>(p, nblk, grid, lbo, sbo, r);
-    default: return run<T, K32S>(p, nblk, grid, lbo, sbo, r);
+    case K32S: return run<T, K32S>(p, nblk, grid, lbo, sbo, r);
+    default: return run<T, K32R>(p, nblk, grid, lbo, sbo, r);
   }
 }
 
@@ -446,7 +472,8 @@ int per_sm_mode(int mode) {
     case K128: return per_sm_of<T, K128>();
     case NODECODE: return per_sm_of<T, NODECODE>();
     case K32: return per_sm_of<T, K32>();
-    default: return per_sm_of<T, K32S>();
+    case K32S: return per_sm_of<T, K32S>();
+    default: return per_sm_of<T, K32R>();
   }
 }
 
@@ -458,8 +485,8 @@ void probe(int sms) {
   reference(p, nblk_check, &want, &mag);
   // The descriptor's K step is the leading byte offset (no-swizzle K-major; session 30 and this probe's first run).
   const uint32_t lbo = (T / 8) * 128, sbo = 128;
-  const int checked[4] = {CHAIN, K128, K32, K32S};
-  bool ok[5] = {false, false, true, false, false};  // nodecode computes nothing to check
+  const int checked[5] = {CHAIN, K128, K32, K32S, K32R};
+  bool ok[6] = {false, false, true, false, false, false};  // nodecode computes nothing to check
   for (int mode : checked) {
     std::vector<float> got;
     run_mode<T>(mode, p, nblk_check, sms, lbo, sbo, &got);
@@ -475,7 +502,7 @@ void probe(int sms) {
                 kModes[mode], bad, got.size(), worst, std::log2(worst + 1e-300));
     ok[mode] = bad == 0;
   }
-  for (int mode = 0; mode < 5; ++mode) {
+  for (int mode = 0; mode < 6; ++mode) {
     if (!ok[mode]) {
       std::printf("T=%d %s: not timed (results off)\n", T, kModes[mode]);
       continue;
