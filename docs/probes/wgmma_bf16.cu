@@ -19,8 +19,8 @@
 //      on a second accumulator set; k32s: k32 with the weight scale in an FFMA there instead of the mul.bf16x2
 //      (the activations carry 2**100, the weights stay 2**-126 w: BF16 subnormal inputs for the code 0.5); mode
 //      nodecode: the chain's MMAs on undecoded words (the tensor cores' time alone); k32r: k32 on the weights'
-//      real layout (16 payload bytes per (row, block), the lane's word gathered by three prmt, the activation plane
-//      in gcmoe_jax.kernels.bf16fold.B_PLANE_ORDER): the maps of the CPU model, on the tensor cores.
+//      real layout (16 payload bytes per (row, block), the lane's word t4 of them as role 2's ldmatrix loads give
+//      it, the activation plane in gcmoe_jax.kernels.bf16fold.B_PLANE_ORDER): the CPU model's maps on the GPU.
 // Four blocks (a K128 stage) per loop trip, the next block's decode issued while the previous block's wgmma runs,
 // nothing in flight across the back edge (ptxas serializes every wgmma otherwise: C7514). Two warpgroups per CTA
 // (128 rows, as role 2's items), as many CTAs per SM as fit.
@@ -145,12 +145,6 @@ __device__ __forceinline__ uint32_t dec2(uint32_t w, uint32_t scale2) {
   return r;
 }
 
-// K32R: the lane's word from a (row, block)'s 16 payload bytes in the real layout (byte i: K 2i low nibble, 2i + 1
-// high): bytes t4, t4 + 4, t4 + 8, t4 + 12 (gcmoe_jax.kernels.bf16fold.lane_word), by three prmt.
-__device__ __forceinline__ uint32_t lane_word(uint4 v, uint32_t sel) {
-  return __byte_perm(__byte_perm(v.x, v.y, sel), __byte_perm(v.z, v.w, sel), 0x5410);
-}
-
 template <int T>
 struct Smem {
   static constexpr int A_BYTES = NB * ROWS * 16;  // [block][row][lane % 4] words
@@ -200,15 +194,9 @@ __global__ void __launch_bounds__(THREADS) fold(const uint32_t* ga, const uint16
   // first step's K 2t4 (+1) and 2t4 + 8 (+9), j = 2, 3 the second's.
   auto decode = [&](uint32_t* a, int q) {
     const int b = q % NB;
-    uint32_t w0, w1;
-    if constexpr (MODE == K32R) {
-      const uint32_t sel = t4 | (t4 + 4) << 4;
-      w0 = lane_word(*reinterpret_cast<const uint4*>(sa + (b * ROWS + row0) * 4), sel);
-      w1 = lane_word(*reinterpret_cast<const uint4*>(sa + (b * ROWS + row0 + 8) * 4), sel);
-    } else {
-      w0 = sa[(b * ROWS + row0) * 4 + t4];
-      w1 = sa[(b * ROWS + row0 + 8) * 4 + t4];
-    }
+    // K32R: the real payload layout, 16 bytes per (row, block); the lane's word is word t4 (K 8 t4 .. 8 t4 + 7),
+    // the one role 2's ldmatrix loads give its int8 bodies. The other modes: the probe's own nibble order.
+    const uint32_t w0 = sa[(b * ROWS + row0) * 4 + t4], w1 = sa[(b * ROWS + row0 + 8) * 4 + t4];
     if constexpr (MODE == NODECODE) {
       a[0] = w0; a[1] = w1; a[2] = w0 >> 1; a[3] = w1 >> 1;
       a[4] = w0 >> 2; a[5] = w1 >> 2; a[6] = w0 >> 3; a[7] = w1 >> 3;
@@ -304,8 +292,8 @@ __global__ void __launch_bounds__(THREADS) fold(const uint32_t* ga, const uint16
 // ---- host ----------------------------------------------------------------------------------------------------
 
 // gcmoe_jax.kernels.bf16fold.B_PLANE_ORDER: position f of a K32 block's activation plane holds K kPlaneOrder[f].
-constexpr int kPlaneOrder[32] = {0, 16, 2, 18, 4, 20, 6, 22, 1, 17, 3, 19, 5, 21, 7, 23,
-                                 8, 24, 10, 26, 12, 28, 14, 30, 9, 25, 11, 27, 13, 29, 15, 31};
+constexpr int kPlaneOrder[32] = {0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29,
+                                 2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31};
 constexpr int kC = 100;  // K32S: the activations carry 2**kC, the FFMA's scale 2**(126 - kC + ew)
 const double kE2M1[16] = {0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6};
 
@@ -379,8 +367,8 @@ double run(const Problem& p, int nblk, int grid, uint32_t lbo, uint32_t sbo, std
         const int ks[8] = {2 * l, 2 * l + 8, 16 + 2 * l, 24 + 2 * l, 2 * l + 1, 2 * l + 9, 17 + 2 * l, 25 + 2 * l};
         uint32_t w = 0;
         for (int i = 0; i < 8; ++i) {
-          // K32R: word l of the real payload, byte j = the codes of K 8 l + 2 j (low nibble) and + 1.
-          const int k = MODE == K32R ? 8 * l + 2 * (i / 2) + i % 2 : ks[i];
+          // K32R: word l of the real payload, nibble i = the code of K 8 l + i.
+          const int k = MODE == K32R ? 8 * l + i : ks[i];
           w |= static_cast<uint32_t>(p.codes[(b * ROWS + r) * 32 + k]) << (4 * i);
         }
         a[(b * ROWS + r) * 4 + l] = w;

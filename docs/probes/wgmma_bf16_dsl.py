@@ -1,10 +1,10 @@
 """The k32r pass of `wgmma_bf16.cu` in CuTe DSL: the form role 2's BF16 wide pass would take (docs/kernels_v2.md
 "Session 58"), as a standalone kernel, before it is built into `roles_v2`.
 
-A warpgroup takes 64 weight rows and T tokens per K32 block: the lane's word gathered from the weights' real payload
-layout by three prmt (`bf16fold.lane_word`), decoded by `bf16fold.decode_pair`'s five instructions a register,
-two BF16 `wgmma` m64nTk16 from the activation plane (in `bf16fold.B_PLANE_ORDER`) into one of two accumulator sets,
-whose sum is added to the FP32 accumulator while the next block's wgmma runs. 8 K32 blocks resident in SMEM, cycled.
+A warpgroup takes 64 weight rows and T tokens per K32 block: the lane's word t4 of the weights' real payload
+layout (`bf16fold.lane_word`, as role 2's ldmatrix loads give it), decoded by `bf16fold.decode_pair`'s five
+instructions a register, two BF16 `wgmma` m64nTk16 from the activation plane (in `bf16fold.B_PLANE_ORDER`) into one
+of two accumulator sets, whose sum is added to the FP32 accumulator while the next block's wgmma runs. 8 K32 blocks resident in SMEM, cycled.
 What it shows: that CuTe DSL's inline PTX gives ptxas wgmma it does not serialize (the SASS of `build`), and, on the
 GPU, the rate against the CUDA probe's k32r row.
 
@@ -49,14 +49,6 @@ def _ptx1(code, *args):
   return cute.arch.inline_ptx(code, write_only_types=[Int32], read_only_args=list(args))
 
 
-def _lane_word(v, sel):
-  """`bf16fold.lane_word`: bytes t4 of the four words of a (row, block)'s 16 payload bytes (``sel`` = t4 | (t4 +
-  4) << 4)."""
-  lo = _ptx1("prmt.b32 {$w0}, {$r0}, {$r1}, {$r2};", v[0], v[1], sel)
-  hi = _ptx1("prmt.b32 {$w0}, {$r0}, {$r1}, {$r2};", v[2], v[3], sel)
-  return _ptx1("prmt.b32 {$w0}, {$r0}, {$r1}, 0x5410;", lo, hi)
-
-
 def _dec2(word, r: int, scale2):
   """`bf16fold.decode_pair`: register r's two folded BF16 weights, five instructions."""
   s = 6 - 4 * r
@@ -67,11 +59,6 @@ def _dec2(word, r: int, scale2):
 
 def _lds(addr):
   return _ptx1("ld.shared.u32 {$w0}, [{$r0}];", addr)
-
-
-def _lds4(addr):
-  return cute.arch.inline_ptx("ld.shared.v4.u32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
-                              write_only_types=[Int32] * 4, read_only_args=[addr])
 
 
 def _desc(saddr, lbo: int, sbo: int):
@@ -100,10 +87,10 @@ if cutlass is not None:  # (the class is defined only where CuTe DSL is: its dec
       adds = " ".join(f"add.f32 {{$w{i}}}, {{$r{i}}}, {{$r{r + i}}};" for i in range(r))
       self.wait_add_text = [f"{{ wgmma.wait_group.sync.aligned {n}; {adds} }}" for n in (0, 1)]
 
-    def _decode(self, sa, ss, q, row0, sel):
+    def _decode(self, sa, ss, q, row0, t4):
       b = q % NB
-      w0 = _lane_word(_lds4(sa + (b * ROWS + row0) * 16), sel)
-      w1 = _lane_word(_lds4(sa + (b * ROWS + row0 + 8) * 16), sel)
+      w0 = _lds(sa + (b * ROWS + row0) * 16 + t4 * 4)  # `bf16fold.lane_word`: word t4 of the row's 16 bytes
+      w1 = _lds(sa + (b * ROWS + row0 + 8) * 16 + t4 * 4)
       s0 = _lds(ss + (b * ROWS + row0) * 4)
       s1 = _lds(ss + (b * ROWS + row0 + 8) * 4)
       return [_dec2(w, r, s) for r in range(4) for w, s in ((w0, s0), (w1, s1))]
@@ -146,7 +133,6 @@ if cutlass is not None:  # (the class is defined only where CuTe DSL is: its dec
       lane = tid % 32
       t4 = lane % 4
       row0 = 16 * warp + lane // 4
-      sel = t4 | ((t4 + 4) << 4)
       acc = cute.make_rmem_tensor(self.r, Float32)
       d0 = cute.make_rmem_tensor(self.r, Float32)
       d1 = cute.make_rmem_tensor(self.r, Float32)
@@ -155,12 +141,12 @@ if cutlass is not None:  # (the class is defined only where CuTe DSL is: its dec
         d0[i] = Float32(0.0)
         d1[i] = Float32(0.0)
       for q in range(0, nblk, 4):
-        self._issue(d0, self._decode(sa, ss, q, row0, sel), sb, q)
-        self._issue(d1, self._decode(sa, ss, q + 1, row0, sel), sb, q + 1)
+        self._issue(d0, self._decode(sa, ss, q, row0, t4), sb, q)
+        self._issue(d1, self._decode(sa, ss, q + 1, row0, t4), sb, q + 1)
         self._wait_add(1, acc, d0)
-        self._issue(d0, self._decode(sa, ss, q + 2, row0, sel), sb, q + 2)
+        self._issue(d0, self._decode(sa, ss, q + 2, row0, t4), sb, q + 2)
         self._wait_add(1, acc, d1)
-        self._issue(d1, self._decode(sa, ss, q + 3, row0, sel), sb, q + 3)
+        self._issue(d1, self._decode(sa, ss, q + 3, row0, t4), sb, q + 3)
         self._wait_add(1, acc, d0)
         self._wait_add(0, acc, d1)
       # acc[4 j + 2 h + p]: row row0 + 8 h, token 8 j + 2 t4 + p.

@@ -7,8 +7,9 @@ cosine 0.9999999999 to ``reference.moe_emulated``; one sum over all of K does no
 module is the contract it will be built to, checked on the CPU (``tests/test_bf16fold.py``):
 
 - **The lane's word.** A (row, K32 block) of the routed payload is 16 bytes, byte i holding the codes of K 2i (low
-  nibble) and 2i + 1. Lane t4 of a quad takes bytes t4, t4 + 4, t4 + 8, t4 + 12 (a 4 x 4 byte transpose, as the int8
-  decode does): `lane_word`, whose byte i holds K 8i + 2 t4 and 8i + 2 t4 + 1.
+  nibble) and 2i + 1. Lane t4 of a quad takes word t4 of it (`lane_word`: K 8 t4 .. 8 t4 + 7, nibble n = K 8 t4 +
+  n), the word role 2's int8 bodies already get from their ldmatrix loads of the stage's weight tile
+  (`roles_v2._weight_words`: word t4 of rows g and g + 8 of each block).
 - **The decode** (`decode_pair`): register j of the lane's four per row takes the codes in nibbles j and j + 4; one
   shift puts them at bits 6-9 and 22-25, where their magnitudes are BF16 patterns of ``2**-126`` times the E2M1
   value (0.5 is the BF16 subnormal ``2**-127``), an integer multiply-add moves the signs to bits 15 and 31, and one
@@ -44,14 +45,14 @@ def fragment_positions(t4: int) -> list[int]:
 
 
 def lane_word(block: np.ndarray, t4: int) -> int:
-  """The 32-bit word of lane t4 from a (row, K32 block)'s 16 payload bytes: bytes t4, t4 + 4, t4 + 8, t4 + 12."""
+  """The 32-bit word of lane t4 from a (row, K32 block)'s 16 payload bytes: word t4 (bytes 4 t4 .. 4 t4 + 3)."""
   b = np.asarray(block, np.uint8).reshape(16)
-  return sum(int(b[4 * i + t4]) << (8 * i) for i in range(4))
+  return sum(int(b[4 * t4 + i]) << (8 * i) for i in range(4))
 
 
 def _word_k(t4: int) -> list[int]:
-  """Physical K of `lane_word`'s nibbles 0..7: byte i holds K 8i + 2 t4 (low nibble) and 8i + 2 t4 + 1."""
-  return [8 * (n // 2) + 2 * t4 + n % 2 for n in range(8)]
+  """Physical K of `lane_word`'s nibbles 0..7: K 8 t4 + n (byte i holds K 8 t4 + 2i low and + 1 high)."""
+  return [8 * t4 + n for n in range(8)]
 
 
 def fragment_k(t4: int) -> list[int]:
