@@ -43,6 +43,18 @@ def test_every_code_pair_decodes_to_its_folded_weight(ew):
         assert np.signbit(lo) == (c0 >= 8) and np.signbit(hi) == (c1 >= 8)
 
 
+def test_fold_scale_of_a_scale_byte_is_the_fold_scale_of_its_exponent():
+  for byte in range(0, bf.E2M1_MAX_SCALE_BYTE + 1):
+    assert bf.fold_scale_of_byte(byte) == bf.fold_scale(byte - 127), byte
+  with pytest.raises(ValueError, match="byte must be in"):
+    bf.fold_scale_of_byte(bf.E2M1_MAX_SCALE_BYTE + 1)
+
+
+def test_plane_position_inverts_the_plane_order():
+  assert np.array_equal(bf.B_PLANE_ORDER[bf.B_PLANE_POSITION], np.arange(32))
+  assert np.array_equal(bf.B_PLANE_POSITION[bf.B_PLANE_ORDER], np.arange(32))
+
+
 def test_fold_scale_rejects_a_weight_scale_beyond_bf16():
   with pytest.raises(ValueError, match="ew must be <= 1"):
     bf.fold_scale(2)

@@ -28,14 +28,17 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-__all__ = ["B_PLANE_ORDER", "E2M1_MAX_EW", "E2M1_MAG_MASK", "E2M1_SIGN_MASK", "decode_pair", "fold_scale",
-           "fragment_k", "fragment_positions", "lane_word"]
+__all__ = ["B_PLANE_ORDER", "B_PLANE_POSITION", "E2M1_MAX_EW", "E2M1_MAX_SCALE_BYTE", "E2M1_MAG_MASK",
+           "E2M1_SIGN_MASK", "decode_pair", "fold_scale", "fold_scale_of_byte", "fragment_k", "fragment_positions",
+           "lane_word"]
 
 E2M1_MAG_MASK = 0x01C001C0  # after the shift: the two codes' magnitude bits (BF16 bits 6-8 of each half)
 E2M1_SIGN_MASK = 0x02000200  # ... and their sign bits, 6 below the halves' sign bits 15 and 31
 E2M1_PLACED_EXP = -126  # a placed magnitude is 2**-126 times the E2M1 value
 E2M1_MAX_EW = 1  # 2**(126 + ew) must be a finite BF16: larger weight scales take the int8 path
 BF16_EXP_BIAS = 127
+UE8M0_BIAS = 127
+E2M1_MAX_SCALE_BYTE = E2M1_MAX_EW + UE8M0_BIAS  # the UE8M0 byte of the largest weight scale the fold takes
 
 
 def fragment_positions(t4: int) -> list[int]:
@@ -74,6 +77,7 @@ def _b_plane_order() -> np.ndarray:
 
 
 B_PLANE_ORDER = _b_plane_order()  # B_PLANE_ORDER[f] = the physical K whose activation the plane holds at position f
+B_PLANE_POSITION = np.argsort(B_PLANE_ORDER)  # where the writers (phase 0, the requant) put K k of a block
 
 
 def fold_scale(ew: int) -> int:
@@ -85,6 +89,14 @@ def fold_scale(ew: int) -> int:
     raise ValueError(f"fold_scale: ew must be >= {1 - BF16_EXP_BIAS + E2M1_PLACED_EXP}, got {ew}")
   h = e << 7
   return h | (h << 16)
+
+
+def fold_scale_of_byte(byte: int) -> int:
+  """`fold_scale` from a weight block's UE8M0 scale byte, as the kernel computes it: ``((byte + 126) << 7)`` in
+  both halves (one IADD and one IMAD by 0x10001 per (row, block))."""
+  if not 0 <= byte <= E2M1_MAX_SCALE_BYTE:
+    raise ValueError(f"fold_scale_of_byte: byte must be in [0, {E2M1_MAX_SCALE_BYTE}], got {byte}")
+  return (((byte - E2M1_PLACED_EXP - UE8M0_BIAS + BF16_EXP_BIAS) << 7) * 0x10001) & 0xFFFFFFFF
 
 
 def _bf16_of_bits(bits: int) -> float:
