@@ -37,7 +37,7 @@ def test_every_code_pair_decodes_to_its_folded_weight(ew):
       for c1 in range(16):
         # Nibbles r and r + 4 carry the pair; the other nibbles hold other codes, which must not leak in.
         word = (c0 << (4 * r)) | (c1 << (4 * (r + 4)))
-        other = (0x9ABCDEF1 >> 0) & ~((0xF << (4 * r)) | (0xF << (4 * (r + 4)))) & 0xFFFFFFFF
+        other = 0x9ABCDEF1 & ~((0xF << (4 * r)) | (0xF << (4 * (r + 4)))) & 0xFFFFFFFF
         lo, hi = _halves(bf.decode_pair(word | other, r, scale2))
         assert (lo, hi) == (E2M1[c0] * 2.0**ew, E2M1[c1] * 2.0**ew), (r, c0, c1, ew)
         assert np.signbit(lo) == (c0 >= 8) and np.signbit(hi) == (c1 >= 8)

@@ -15,7 +15,7 @@ module is the contract it will be built to, checked on the CPU (``tests/test_bf1
   value (0.5 is the BF16 subnormal ``2**-127``), an integer multiply-add moves the signs to bits 15 and 31, and one
   ``mul.rn.bf16x2`` by ``2**(126 + ew)`` (`fold_scale`) gives the folded weights exactly: 5 instructions per
   register, for ``ew <= E2M1_MAX_EW``.
-- **The K order.** wgmma's A fragment gives lane t4 the positions ``FRAGMENT_POSITIONS(t4)`` of the block's 32;
+- **The K order.** wgmma's A fragment gives lane t4 the positions `fragment_positions(t4)` of the block's 32;
   register j's pair is ``lane_word``'s nibbles (j, j + 4), so the fragment holds the physical K `fragment_k(t4)`.
   Over the four lanes that is a permutation of the block's K (`B_PLANE_ORDER`), so the activation plane (B, written
   by phase 0 and the GEMM1 requant) is stored in that order and the weights keep their layout.
