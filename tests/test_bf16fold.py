@@ -77,3 +77,42 @@ def test_a_block_dot_through_the_maps_is_the_block_dot():
       got += sum(a * plane[p] for a, p in zip(vals, bf.fragment_positions(t4)))
     want = float(np.sum(E2M1[codes] * 2.0**ew * x))
     assert got == want  # every product and partial sum is exact in float64
+
+
+E4M3 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+FINITE = [c for c in range(256) if np.isfinite(E4M3[c])]
+
+
+@pytest.mark.parametrize("r,ew,stride", [(0, 0, 1), (1, -30, 5), (2, 7, 5), (3, -1, 5)])
+def test_every_e4m3_code_decodes_to_its_folded_shared_weight(r, ew, stride):
+  scale2 = bf.fold_scale_e4m3(ew)
+  for c0 in FINITE:
+    for c1 in FINITE[::stride]:
+      # Bytes r of the two words carry the pair; the others hold other codes, which must not leak in.
+      w0 = (0x3A5CD17E & ~(0xFF << (8 * r))) | (c0 << (8 * r))
+      w1 = (0xB2E4096F & ~(0xFF << (8 * r))) | (c1 << (8 * r))
+      lo, hi = _halves(bf.decode_e4m3_pair(w0, w1, r, scale2))
+      assert (lo, hi) == (E4M3[c0] * 2.0**ew, E4M3[c1] * 2.0**ew), (r, c0, c1, ew)
+      assert np.signbit(lo) == (c0 >= 128) and np.signbit(hi) == (c1 >= 128)
+
+
+def test_fold_scale_e4m3_rejects_a_weight_scale_beyond_bf16():
+  with pytest.raises(ValueError, match="ew must be in"):
+    bf.fold_scale_e4m3(8)
+
+
+def test_a_shared_block_dot_through_the_maps_is_the_block_dot():
+  rng = np.random.default_rng(1)
+  for _ in range(50):
+    codes = rng.choice(FINITE, 32)  # K 0..31 of one (row, block), one E4M3 byte each
+    ew = int(rng.integers(-12, 8))
+    x = rng.normal(size=32) * 2.0 ** rng.integers(-8, 8)
+    x = np.asarray(np.asarray(x, np.float32).astype(ml_dtypes.float8_e4m3fn), np.float64)
+    plane = x[bf.B_PLANE_ORDER]  # the same activation plane as the routed GEMM's
+    got = 0.0
+    for t4 in range(4):
+      w0, w1 = bf.shared_lane_words(codes.astype(np.uint8), t4)
+      vals = [v for r in range(4) for v in _halves(bf.decode_e4m3_pair(w0, w1, r, bf.fold_scale_e4m3(ew)))]
+      got += sum(a * plane[p] for a, p in zip(vals, bf.fragment_positions(t4)))
+    want = float(np.sum(E4M3[codes] * 2.0**ew * x))
+    assert got == want

@@ -20,6 +20,14 @@ module is the contract it will be built to, checked on the CPU (``tests/test_bf1
   Over the four lanes that is a permutation of the block's K (`B_PLANE_ORDER`), so the activation plane (B, written
   by phase 0 and the GEMM1 requant) is stored in that order and the weights keep their layout.
 
+The shared expert's MXFP8 weights take the same pass with their own decode (`decode_e4m3_pair`): lane t4 reads
+words 2 t4 and 2 t4 + 1 of a (row, K32 block)'s 32 E4M3 bytes (`shared_lane_words`: K 8 t4 .. 8 t4 + 7, byte n of
+the pair = K 8 t4 + n, the routed word's nibble order), register j takes bytes (j, j + 4) by one prmt, the 7 exponent
+and mantissa bits at BF16 bits 4-10 are ``2**-120`` times the E4M3 value (subnormals included), the sign moves to
+bit 15, and one ``mul.rn.bf16x2`` by ``2**(120 + ew)`` (`fold_scale_e4m3`, ``ew <= E4M3_MAX_EW``) gives the folded
+weight: 6 instructions per register, and the same `B_PLANE_ORDER`, so the routed GEMM1's activation plane serves the
+shared expert's too. (E4M3 NaN codes decode to finite values: weights are finite by construction, `formats`.)
+
 When a kernel imports these constants, this file joins `build._KERNEL_SOURCES` (the cubins' key).
 """
 
@@ -29,8 +37,8 @@ import ml_dtypes
 import numpy as np
 
 __all__ = ["B_PLANE_ORDER", "B_PLANE_POSITION", "E2M1_MAX_EW", "E2M1_MAX_SCALE_BYTE", "E2M1_MAG_MASK",
-           "E2M1_SIGN_MASK", "decode_pair", "fold_scale", "fold_scale_of_byte", "fragment_k", "fragment_positions",
-           "lane_word"]
+           "E2M1_SIGN_MASK", "E4M3_MAX_EW", "decode_e4m3_pair", "decode_pair", "fold_scale", "fold_scale_e4m3",
+           "fold_scale_of_byte", "fragment_k", "fragment_positions", "lane_word", "shared_lane_words"]
 
 E2M1_MAG_MASK = 0x01C001C0  # after the shift: the two codes' magnitude bits (BF16 bits 6-8 of each half)
 E2M1_SIGN_MASK = 0x02000200  # ... and their sign bits, 6 below the halves' sign bits 15 and 31
@@ -39,6 +47,8 @@ E2M1_MAX_EW = 1  # 2**(126 + ew) must be a finite BF16: larger weight scales tak
 BF16_EXP_BIAS = 127
 UE8M0_BIAS = 127
 E2M1_MAX_SCALE_BYTE = E2M1_MAX_EW + UE8M0_BIAS  # the UE8M0 byte of the largest weight scale the fold takes
+E4M3_PLACED_EXP = -120  # a placed E4M3 (its 7 low bits at BF16 bits 4-10) is 2**-120 times its value
+E4M3_MAX_EW = 7  # 2**(120 + ew) a finite BF16
 
 
 def fragment_positions(t4: int) -> list[int]:
@@ -117,6 +127,37 @@ def decode_pair(word: int, r: int, scale2: int) -> int:
   s = 6 - 4 * r
   x = ((word << s) if s > 0 else (word >> -s)) & 0xFFFFFFFF
   placed = ((x & E2M1_SIGN_MASK) * 64 + (x & E2M1_MAG_MASK)) & 0xFFFFFFFF  # IMAD: the signs to bits 15, 31
+  lo = _bf16_mul(placed & 0xFFFF, scale2 & 0xFFFF)
+  hi = _bf16_mul(placed >> 16, scale2 >> 16)
+  return lo | (hi << 16)
+
+
+def shared_lane_words(block: np.ndarray, t4: int) -> tuple[int, int]:
+  """Lane t4's two words of a shared-expert (row, K32 block)'s 32 E4M3 bytes: words 2 t4 and 2 t4 + 1."""
+  b = np.asarray(block, np.uint8).reshape(32)
+  w = [sum(int(b[4 * (2 * t4 + h) + i]) << (8 * i) for i in range(4)) for h in range(2)]
+  return w[0], w[1]
+
+
+def fold_scale_e4m3(ew: int) -> int:
+  """bf16x2 bits of ``2**(120 + ew)`` in both halves, the multiplier of `decode_e4m3_pair`."""
+  if not -247 <= ew <= E4M3_MAX_EW:
+    raise ValueError(f"fold_scale_e4m3: ew must be in [-247, {E4M3_MAX_EW}] (2**(120 + ew) a normal BF16), got {ew}")
+  h = (-E4M3_PLACED_EXP + ew + BF16_EXP_BIAS) << 7
+  return h | (h << 16)
+
+
+def _prmt(a: int, b: int, c: int) -> int:
+  """PTX prmt.b32 (default mode, selector nibbles 0-7 only): output byte i = byte (c >> 4 i) & 7 of {b, a}."""
+  pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+  return sum(pool[(c >> (4 * i)) & 7] << (8 * i) for i in range(4))
+
+
+def decode_e4m3_pair(w0: int, w1: int, r: int, scale2: int) -> int:
+  """bf16x2 bits of register r's two folded shared-expert weights (bytes r of ``w0`` and of ``w1``): prmt, 2 LOP3,
+  IMAD, SHF, ``mul.rn.bf16x2``."""
+  x = _prmt(w0, w1, r | (r << 4) | ((4 + r) << 8) | ((4 + r) << 12))  # bytes (r, r, 4 + r, 4 + r): halves' low bytes
+  placed = ((((x & 0x00800080) * 16 + (x & 0x007F007F)) << 4)) & 0xFFFFFFFF  # sign to 15 / 31, 7 bits to 4-10
   lo = _bf16_mul(placed & 0xFFFF, scale2 & 0xFFFF)
   hi = _bf16_mul(placed >> 16, scale2 >> 16)
   return lo | (hi << 16)
