@@ -20,7 +20,8 @@
 //      (the activations carry 2**100, the weights stay 2**-126 w: BF16 subnormal inputs for the code 0.5); mode
 //      nodecode: the chain's MMAs on undecoded words (the tensor cores' time alone); k32r: k32 on the weights'
 //      real layout (16 payload bytes per (row, block), the lane's word t4 of them as role 2's ldmatrix loads give
-//      it, the activation plane in gcmoe_jax.kernels.bf16fold.B_PLANE_ORDER): the CPU model's maps on the GPU.
+//      it, the activation plane in gcmoe_jax.kernels.bf16fold.B_PLANE_ORDER): the CPU model's maps on the GPU;
+//      k32e: k32r for the shared expert's MXFP8 weights (32 E4M3 bytes per (row, block), bf16fold.decode_e4m3_pair).
 // Four blocks (a K128 stage) per loop trip, the next block's decode issued while the previous block's wgmma runs,
 // nothing in flight across the back edge (ptxas serializes every wgmma otherwise: C7514). Two warpgroups per CTA
 // (128 rows, as role 2's items), as many CTAs per SM as fit.
@@ -49,7 +50,7 @@ namespace {
 constexpr int ROWS = 128;  // weight rows per CTA: two warpgroups of 64
 constexpr int NB = 8;      // K32 blocks resident in SMEM
 constexpr int THREADS = 256;
-enum Mode { CHAIN = 0, K128 = 1, NODECODE = 2, K32 = 3, K32S = 4, K32R = 5 };
+enum Mode { CHAIN = 0, K128 = 1, NODECODE = 2, K32 = 3, K32S = 4, K32R = 5, K32E = 6 };
 
 __device__ __forceinline__ void wgmma_block_n8(float* d, const uint32_t a[8], uint64_t desc0, uint64_t desc1,
                                                   int accumulate) {
@@ -118,14 +119,25 @@ __device__ __forceinline__ uint32_t dec2(uint32_t w, uint32_t scale2) {
   return r;
 }
 
-template <int T>
+template <int T, int MODE>
 struct Smem {
-  static constexpr int A_BYTES = NB * ROWS * 16;  // [block][row][lane % 4] words
+  static constexpr int A_BYTES = NB * ROWS * (MODE == K32E ? 32 : 16);  // [block][row] 16 B of E2M1 / 32 B of E4M3
   static constexpr int B_BLOCK = 4 * (T / 8) * 128;  // [k8 group 0..3][n8 group][8 n][8 k] BF16
   static constexpr int B_BYTES = NB * B_BLOCK;
   static constexpr int S_BYTES = NB * ROWS * 4;       // [block][row] bf16x2 2**(126 + ew) (K32S: f32 2**(126-C+ew))
   static constexpr int TOTAL = A_BYTES + B_BYTES + S_BYTES;
 };
+
+// K32E (the shared expert's MXFP8 weights): register j's two E4M3 codes are byte j of w0 and of w1 (the lane's
+// words 2 t4 and 2 t4 + 1 of a row's 32-byte block); their 7 low bits at BF16 bits 4-10 are 2**-120 times the value.
+template <int J>
+__device__ __forceinline__ uint32_t dec8(uint32_t w0, uint32_t w1, uint32_t scale2) {
+  const uint32_t x = __byte_perm(w0, w1, J | (J << 4) | ((4 + J) << 8) | ((4 + J) << 12));
+  const uint32_t placed = ((x & 0x00800080u) * 16u + (x & 0x007F007Fu)) << 4;
+  uint32_t r;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(placed), "r"(scale2));
+  return r;
+}
 
 template <int T>
 __device__ __forceinline__ void mma_block(float* d, const uint32_t a[8], uint64_t d0, uint64_t d1, int acc) {
@@ -139,7 +151,7 @@ __device__ __forceinline__ void mma_block(float* d, const uint32_t a[8], uint64_
 template <int T, int MODE>
 __global__ void __launch_bounds__(THREADS) fold(const uint32_t* ga, const uint16_t* gb, const uint32_t* gs, float* out,
                                                 int nblk, uint32_t lbo, uint32_t sbo) {
-  using S = Smem<T>;
+  using S = Smem<T, MODE>;
   constexpr int R = T / 2;  // accumulator registers per thread
   extern __shared__ __align__(1024) uint8_t smem[];
   uint32_t* sa = reinterpret_cast<uint32_t*>(smem);
@@ -169,6 +181,15 @@ __global__ void __launch_bounds__(THREADS) fold(const uint32_t* ga, const uint16
     const int b = q % NB;
     // K32R: the real payload layout, 16 bytes per (row, block); the lane's word is word t4 (K 8 t4 .. 8 t4 + 7),
     // the one role 2's ldmatrix loads give its int8 bodies. The other modes: the probe's own nibble order.
+    if constexpr (MODE == K32E) {
+      const uint2 v0 = *reinterpret_cast<const uint2*>(sa + (b * ROWS + row0) * 8 + 2 * t4);
+      const uint2 v1 = *reinterpret_cast<const uint2*>(sa + (b * ROWS + row0 + 8) * 8 + 2 * t4);
+      const uint32_t s0 = ss[b * ROWS + row0], s1 = ss[b * ROWS + row0 + 8];
+      a[0] = dec8<0>(v0.x, v0.y, s0); a[1] = dec8<0>(v1.x, v1.y, s1); a[2] = dec8<1>(v0.x, v0.y, s0);
+      a[3] = dec8<1>(v1.x, v1.y, s1); a[4] = dec8<2>(v0.x, v0.y, s0); a[5] = dec8<2>(v1.x, v1.y, s1);
+      a[6] = dec8<3>(v0.x, v0.y, s0); a[7] = dec8<3>(v1.x, v1.y, s1);
+      return;
+    }
     const uint32_t w0 = sa[(b * ROWS + row0) * 4 + t4], w1 = sa[(b * ROWS + row0 + 8) * 4 + t4];
     if constexpr (MODE == NODECODE) {
       a[0] = w0; a[1] = w1; a[2] = w0 >> 1; a[3] = w1 >> 1;
@@ -206,7 +227,7 @@ __global__ void __launch_bounds__(THREADS) fold(const uint32_t* ga, const uint16
     }
   };
   uint32_t a0[8], a1[8];
-  if constexpr (MODE == K32 || MODE == K32S || MODE == K32R) {
+  if constexpr (MODE == K32 || MODE == K32S || MODE == K32R || MODE == K32E) {
     for (int q = 0; q < nblk; q += 4) {
       decode(a0, q);
       pin<R>(d);
@@ -289,15 +310,24 @@ double e4m3(uint8_t code) {
 
 struct Problem {
   int T;
-  std::vector<uint8_t> codes;  // [NB][ROWS][32] E2M1 codes
+  std::vector<uint8_t> codes;  // [NB][ROWS][32] E2M1 codes, or E4M3 (`fp8`: the shared expert's weights)
   std::vector<double> x;       // [NB][T][32] folded activations (E4M3 x 2**ex)
   std::vector<int> ew;         // [NB][ROWS]
+  bool fp8 = false;
+  double w(int b, int r, int k) const {  // the folded weight
+    const uint8_t c = codes[(b * ROWS + r) * 32 + k];
+    return std::ldexp(fp8 ? e4m3(c) : kE2M1[c], ew[b * ROWS + r]);
+  }
 };
 
-Problem make(int T, uint32_t seed) {
+Problem make(int T, uint32_t seed, bool fp8 = false) {
   std::mt19937 rng(seed);
-  Problem p{T, std::vector<uint8_t>(NB * ROWS * 32), std::vector<double>(NB * T * 32), std::vector<int>(NB * ROWS)};
-  for (auto& c : p.codes) c = rng() % 16;
+  Problem p{T, std::vector<uint8_t>(NB * ROWS * 32), std::vector<double>(NB * T * 32), std::vector<int>(NB * ROWS),
+            fp8};
+  for (auto& c : p.codes) {
+    if (!fp8) c = rng() % 16;
+    else do c = rng() & 0xFF; while ((c & 0x7F) == 0x7F);  // finite E4M3
+  }
   for (int b = 0; b < NB; ++b)
     for (int t = 0; t < T; ++t) {
       const int ex = static_cast<int>(rng() % 9) - 12;
@@ -307,7 +337,7 @@ Problem make(int T, uint32_t seed) {
         p.x[(b * T + t) * 32 + k] = std::ldexp(e4m3(c), ex);
       }
     }
-  for (auto& e : p.ew) e = static_cast<int>(rng() % 12) - 10;  // [-10, 1]
+  for (auto& e : p.ew) e = static_cast<int>(rng() % (fp8 ? 18 : 12)) - 10;  // [-10, 1] (E4M3: [-10, 7])
   return p;
 }
 
@@ -321,8 +351,7 @@ void reference(const Problem& p, int nblk, std::vector<double>* sum, std::vector
       for (int q = 0; q < nblk; ++q) {
         const int b = q % NB;
         for (int k = 0; k < 32; ++k) {
-          const double v = std::ldexp(kE2M1[p.codes[(b * ROWS + r) * 32 + k]], p.ew[b * ROWS + r]) *
-                           p.x[(b * T + t) * 32 + k];
+          const double v = p.w(b, r, k) * p.x[(b * T + t) * 32 + k];
           (*sum)[r * T + t] += v;
           (*mag)[r * T + t] += std::fabs(v);
         }
@@ -331,9 +360,10 @@ void reference(const Problem& p, int nblk, std::vector<double>* sum, std::vector
 
 template <int T, int MODE>
 double run(const Problem& p, int nblk, int grid, uint32_t lbo, uint32_t sbo, std::vector<float>* result) {
-  using S = Smem<T>;
+  using S = Smem<T, MODE>;
   std::vector<uint32_t> a(S::A_BYTES / 4);
-  for (int b = 0; b < NB; ++b)
+  if (MODE == K32E) std::memcpy(a.data(), p.codes.data(), S::A_BYTES);  // byte k of a row's block = K k
+  for (int b = 0; b < NB && MODE != K32E; ++b)
     for (int r = 0; r < ROWS; ++r)
       for (int l = 0; l < 4; ++l) {
         // Nibbles (j, j + 4) = register j's K pair: 2l, 2l + 8 (step 0), 16 + 2l, 24 + 2l (step 1), then + 1.
@@ -352,13 +382,13 @@ double run(const Problem& p, int nblk, int grid, uint32_t lbo, uint32_t sbo, std
       for (int k = 0; k < 32; ++k) {
         // Position k of the plane; K32R: it holds the activation of K kPlaneOrder[k] (bf16fold.B_PLANE_ORDER).
         const int idx = ((k / 8) * (T / 8) + t / 8) * 64 + (t % 8) * 8 + k % 8;
-        const int src = MODE == K32R ? kPlaneOrder[k] : k;
+        const int src = MODE == K32R || MODE == K32E ? kPlaneOrder[k] : k;
         bimg[b * (S::B_BLOCK / 2) + idx] = bf16_bits(std::ldexp(p.x[(b * T + t) * 32 + src], MODE == K32S ? kC : 0));
       }
   std::vector<uint32_t> simg(S::S_BYTES / 4);
   for (int b = 0; b < NB; ++b)
     for (int r = 0; r < ROWS; ++r) {
-      const uint32_t h = static_cast<uint32_t>(126 + p.ew[b * ROWS + r] + 127) << 7;
+      const uint32_t h = static_cast<uint32_t>((MODE == K32E ? 120 : 126) + p.ew[b * ROWS + r] + 127) << 7;
       const float f = std::ldexp(1.f, 126 - kC + p.ew[b * ROWS + r]);
       uint32_t fb;
       std::memcpy(&fb, &f, 4);
@@ -404,15 +434,15 @@ int per_sm_of() {
   const void* k = reinterpret_cast<const void*>(fold<T, MODE>);
   cudaFuncAttributes fa;
   CHECK(cudaFuncGetAttributes(&fa, k));
-  CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<T>::TOTAL));
+  CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<T, MODE>::TOTAL));
   int per_sm = 0;
-  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, THREADS, Smem<T>::TOTAL));
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, THREADS, Smem<T, MODE>::TOTAL));
   std::printf("  T=%d mode %d: %d registers, %zu B local, %d B SMEM, %d CTA/SM\n", T, MODE, fa.numRegs,
-              fa.localSizeBytes, Smem<T>::TOTAL, per_sm);
+              fa.localSizeBytes, Smem<T, MODE>::TOTAL, per_sm);
   return per_sm;
 }
 
-const char* kModes[6] = {"chain", "k128", "nodecode", "k32", "k32s", "k32r"};
+const char* kModes[7] = {"chain", "k128", "nodecode", "k32", "k32s", "k32r", "k32e"};
 
 template <int T>
 double run_mode(int mode, const Problem& p, int nblk, int grid, uint32_t lbo, uint32_t sbo, std::vector<float>* r) {
@@ -422,7 +452,8 @@ double run_mode(int mode, const Problem& p, int nblk, int grid, uint32_t lbo, ui
     case NODECODE: return run<T, NODECODE>(p, nblk, grid, lbo, sbo, r);
     case K32: return run<T, K32>(p, nblk, grid, lbo, sbo, r);
     case K32S: return run<T, K32S>(p, nblk, grid, lbo, sbo, r);
-    default: return run<T, K32R>(p, nblk, grid, lbo, sbo, r);
+    case K32R: return run<T, K32R>(p, nblk, grid, lbo, sbo, r);
+    default: return run<T, K32E>(p, nblk, grid, lbo, sbo, r);
   }
 }
 
@@ -434,21 +465,26 @@ int per_sm_mode(int mode) {
     case NODECODE: return per_sm_of<T, NODECODE>();
     case K32: return per_sm_of<T, K32>();
     case K32S: return per_sm_of<T, K32S>();
-    default: return per_sm_of<T, K32R>();
+    case K32R: return per_sm_of<T, K32R>();
+    default: return per_sm_of<T, K32E>();
   }
 }
 
 template <int T>
 void probe(int sms) {
-  const Problem p = make(T, 1234 + T);
+  const Problem p4 = make(T, 1234 + T), p8 = make(T, 4321 + T, true);  // E2M1 weights; E4M3 (k32e)
   const int nblk_check = 64, nblk_time = 1 << 14;
-  std::vector<double> want, mag;
-  reference(p, nblk_check, &want, &mag);
+  std::vector<double> want4, mag4, want8, mag8;
+  reference(p4, nblk_check, &want4, &mag4);
+  reference(p8, nblk_check, &want8, &mag8);
   // The descriptor's K step is the leading byte offset (no-swizzle K-major; session 30 and this probe's first run).
   const uint32_t lbo = (T / 8) * 128, sbo = 128;
-  const int checked[5] = {CHAIN, K128, K32, K32S, K32R};
-  bool ok[6] = {false, false, true, false, false, false};  // nodecode computes nothing to check
+  const int checked[6] = {CHAIN, K128, K32, K32S, K32R, K32E};
+  bool ok[7] = {false, false, true, false, false, false, false};  // nodecode computes nothing to check
   for (int mode : checked) {
+    const Problem& p = mode == K32E ? p8 : p4;
+    const std::vector<double>& want = mode == K32E ? want8 : want4;
+    const std::vector<double>& mag = mode == K32E ? mag8 : mag4;
     std::vector<float> got;
     run_mode<T>(mode, p, nblk_check, sms, lbo, sbo, &got);
     double worst = 0;
@@ -463,7 +499,8 @@ void probe(int sms) {
                 kModes[mode], bad, got.size(), worst, std::log2(worst + 1e-300));
     ok[mode] = bad == 0;
   }
-  for (int mode = 0; mode < 6; ++mode) {
+  for (int mode = 0; mode < 7; ++mode) {
+    const Problem& p = mode == K32E ? p8 : p4;
     if (!ok[mode]) {
       std::printf("T=%d %s: not timed (results off)\n", T, kModes[mode]);
       continue;
