@@ -53,6 +53,7 @@ def test_fold_scale_of_a_scale_byte_is_the_fold_scale_of_its_exponent():
 def test_plane_position_inverts_the_plane_order():
   assert np.array_equal(bf.B_PLANE_ORDER[bf.B_PLANE_POSITION], np.arange(32))
   assert np.array_equal(bf.B_PLANE_POSITION[bf.B_PLANE_ORDER], np.arange(32))
+  assert np.array_equal(bf.plane_position(np.arange(32)), bf.B_PLANE_POSITION)  # the writers' arithmetic
 
 
 def test_fold_scale_rejects_a_weight_scale_beyond_bf16():

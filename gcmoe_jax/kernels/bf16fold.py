@@ -38,7 +38,7 @@ import numpy as np
 
 __all__ = ["B_PLANE_ORDER", "B_PLANE_POSITION", "E2M1_MAX_EW", "E2M1_MAX_SCALE_BYTE", "E2M1_MAG_MASK",
            "E2M1_SIGN_MASK", "E4M3_MAX_EW", "decode_e4m3_pair", "decode_pair", "fold_scale", "fold_scale_e4m3",
-           "fold_scale_of_byte", "fragment_k", "fragment_positions", "lane_word", "shared_lane_words"]
+           "fold_scale_of_byte", "fragment_k", "fragment_positions", "lane_word", "plane_position", "shared_lane_words"]
 
 E2M1_MAG_MASK = 0x01C001C0  # after the shift: the two codes' magnitude bits (BF16 bits 6-8 of each half)
 E2M1_SIGN_MASK = 0x02000200  # ... and their sign bits, 6 below the halves' sign bits 15 and 31
@@ -88,6 +88,12 @@ def _b_plane_order() -> np.ndarray:
 
 B_PLANE_ORDER = _b_plane_order()  # B_PLANE_ORDER[f] = the physical K whose activation the plane holds at position f
 B_PLANE_POSITION = np.argsort(B_PLANE_ORDER)  # where the writers (phase 0, the requant) put K k of a block
+
+
+def plane_position(k):
+  """`B_PLANE_POSITION` as the writers compute it for the lane holding K ``k`` of a block (int or array): position
+  8a + 2 t4 + p holds K 8 t4 + 4p + a, so K k goes to ``8 (k % 4) + 2 (k // 8) + (k % 8) // 4``."""
+  return 8 * (k % 4) + 2 * (k // 8) + (k % 8) // 4
 
 
 def fold_scale(ew: int) -> int:
