@@ -14,24 +14,12 @@ import pytest
 pytest.importorskip("cutlass")  # roles_v2 imports CuTe DSL (its constants are what the kernel uses)
 
 from gcmoe_jax.kernels import abi  # noqa: E402
+from gcmoe_jax.kernels.bf16fold import prmt as _prmt  # noqa: E402
 from gcmoe_jax.kernels import roles_v2 as r2  # noqa: E402
 
 E2M1_X2 = np.array([0, 1, 2, 3, 4, 6, 8, 12], np.int64)  # 2 w of the codes 0..7 (formats.py)
 E4M3_INTS = np.round(np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64) * 512)
 E4M3_INTS = E4M3_INTS[np.isfinite(E4M3_INTS)].astype(np.int64)  # 512 v of every finite E4M3 value
-
-
-def _prmt(a: int, b: int, c: int) -> int:
-  """PTX prmt.b32 (default mode): output byte i = byte (c >> 4 i) & 7 of {b, a}, or its sign if bit 3 is set."""
-  pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
-  out = 0
-  for i in range(4):
-    sel = (c >> (4 * i)) & 0xF
-    byte = pool[sel & 7]
-    if sel & 8:
-      byte = 0xFF if byte & 0x80 else 0
-    out |= byte << (8 * i)
-  return out
 
 
 def _dec4(w: int) -> list[int]:

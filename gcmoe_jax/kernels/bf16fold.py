@@ -38,7 +38,8 @@ import numpy as np
 
 __all__ = ["B_PLANE_ORDER", "B_PLANE_POSITION", "E2M1_MAX_EW", "E2M1_MAX_SCALE_BYTE", "E2M1_MAG_MASK",
            "E2M1_SIGN_MASK", "E4M3_MAX_EW", "decode_e4m3_pair", "decode_pair", "fold_scale", "fold_scale_e4m3",
-           "fold_scale_of_byte", "fragment_k", "fragment_positions", "lane_word", "plane_position", "shared_lane_words"]
+           "fold_scale_of_byte", "fragment_k", "fragment_positions", "lane_word", "plane_position", "prmt",
+           "shared_lane_words"]
 
 E2M1_MAG_MASK = 0x01C001C0  # after the shift: the two codes' magnitude bits (BF16 bits 6-8 of each half)
 E2M1_SIGN_MASK = 0x02000200  # ... and their sign bits, 6 below the halves' sign bits 15 and 31
@@ -153,16 +154,24 @@ def fold_scale_e4m3(ew: int) -> int:
   return h | (h << 16)
 
 
-def _prmt(a: int, b: int, c: int) -> int:
-  """PTX prmt.b32 (default mode, selector nibbles 0-7 only): output byte i = byte (c >> 4 i) & 7 of {b, a}."""
+def prmt(a: int, b: int, c: int) -> int:
+  """PTX prmt.b32 (default mode): output byte i = byte (c >> 4 i) & 7 of {b, a}, or its sign if bit 3 is set (the
+  CPU models' prmt: this module's and the int8 decode's in tests/test_kernels_v2_math.py)."""
   pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
-  return sum(pool[(c >> (4 * i)) & 7] << (8 * i) for i in range(4))
+  out = 0
+  for i in range(4):
+    sel = (c >> (4 * i)) & 0xF
+    byte = pool[sel & 7]
+    if sel & 8:
+      byte = 0xFF if byte & 0x80 else 0
+    out |= byte << (8 * i)
+  return out
 
 
 def decode_e4m3_pair(w0: int, w1: int, r: int, scale2: int) -> int:
   """bf16x2 bits of register r's two folded shared-expert weights (bytes r of ``w0`` and of ``w1``): prmt, 2 LOP3,
   IMAD, SHF, ``mul.rn.bf16x2``."""
-  x = _prmt(w0, w1, r | (r << 4) | ((4 + r) << 8) | ((4 + r) << 12))  # bytes (r, r, 4 + r, 4 + r): halves' low bytes
+  x = prmt(w0, w1, r | (r << 4) | ((4 + r) << 8) | ((4 + r) << 12))  # bytes (r, r, 4 + r, 4 + r): halves' low bytes
   placed = ((((x & 0x00800080) * 16 + (x & 0x007F007F)) << 4)) & 0xFFFFFFFF  # sign to 15 / 31, 7 bits to 4-10
   lo = _bf16_mul(placed & 0xFFFF, scale2 & 0xFFFF)
   hi = _bf16_mul(placed >> 16, scale2 >> 16)
