@@ -394,30 +394,14 @@ double run(const Problem& p, int nblk, int grid, uint32_t lbo, uint32_t sbo, std
       std::memcpy(&fb, &f, 4);
       simg[b * ROWS + r] = MODE == K32S ? fb : h | (h << 16);
     }
-  uint32_t *da, *ds;
-  uint16_t* db;
+  uint32_t* da = upload(a);
+  uint16_t* db = upload(bimg);
+  uint32_t* ds = upload(simg);
   float* dout;
-  CHECK(cudaMalloc(&da, a.size() * 4));
-  CHECK(cudaMalloc(&db, bimg.size() * 2));
-  CHECK(cudaMalloc(&ds, simg.size() * 4));
   CHECK(cudaMalloc(&dout, static_cast<size_t>(grid) * ROWS * T * 4));
-  CHECK(cudaMemcpy(da, a.data(), a.size() * 4, cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(db, bimg.data(), bimg.size() * 2, cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(ds, simg.data(), simg.size() * 4, cudaMemcpyHostToDevice));
   auto k = fold<T, MODE>;
   CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, S::TOTAL));
-  k<<<grid, THREADS, S::TOTAL>>>(da, db, ds, dout, 4, lbo, sbo);  // warm-up
-  CHECK(cudaDeviceSynchronize());
-  cudaEvent_t e0, e1;
-  CHECK(cudaEventCreate(&e0));
-  CHECK(cudaEventCreate(&e1));
-  CHECK(cudaEventRecord(e0));
-  k<<<grid, THREADS, S::TOTAL>>>(da, db, ds, dout, nblk, lbo, sbo);
-  CHECK(cudaEventRecord(e1));
-  CHECK(cudaDeviceSynchronize());
-  CHECK(cudaGetLastError());
-  float ms = 0;
-  CHECK(cudaEventElapsedTime(&ms, e0, e1));
+  const float ms = timed([&](int n) { k<<<grid, THREADS, S::TOTAL>>>(da, db, ds, dout, n, lbo, sbo); }, 4, nblk);
   if (result) {
     result->resize(static_cast<size_t>(grid) * ROWS * T);
     CHECK(cudaMemcpy(result->data(), dout, result->size() * 4, cudaMemcpyDeviceToHost));

@@ -284,33 +284,15 @@ double run(const Problem& p, int nblk, int grid, uint32_t lbo, uint32_t sbo, std
     for (int t = 0; t < T; ++t) eximg[(b * 4 + t % 4) * (T / 4) + t / 4] = (p.ex[b * T + t] + 127) << 23;
     for (int r = 0; r < ROWS; ++r) ewimg[b * ROWS + r] = p.ew[b * ROWS + r] << 23;
   }
-  uint32_t* da;
-  uint16_t* db;
-  int32_t *dex, *dew;
+  uint32_t* da = upload(a);
+  uint16_t* db = upload(bimg);
+  int32_t* dex = upload(eximg);
+  int32_t* dew = upload(ewimg);
   float* dout;
-  CHECK(cudaMalloc(&da, a.size() * 4));
-  CHECK(cudaMalloc(&db, bimg.size() * 2));
-  CHECK(cudaMalloc(&dex, eximg.size() * 4));
-  CHECK(cudaMalloc(&dew, ewimg.size() * 4));
   CHECK(cudaMalloc(&dout, static_cast<size_t>(grid) * ROWS * T * 4));
-  CHECK(cudaMemcpy(da, a.data(), a.size() * 4, cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(db, bimg.data(), bimg.size() * 2, cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(dex, eximg.data(), eximg.size() * 4, cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(dew, ewimg.data(), ewimg.size() * 4, cudaMemcpyHostToDevice));
   auto k = planes<T, MODE>;
   CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, S::TOTAL));
-  k<<<grid, THREADS, S::TOTAL>>>(da, db, dex, dew, dout, 2, lbo, sbo);  // warm-up
-  CHECK(cudaDeviceSynchronize());
-  cudaEvent_t e0, e1;
-  CHECK(cudaEventCreate(&e0));
-  CHECK(cudaEventCreate(&e1));
-  CHECK(cudaEventRecord(e0));
-  k<<<grid, THREADS, S::TOTAL>>>(da, db, dex, dew, dout, nblk, lbo, sbo);
-  CHECK(cudaEventRecord(e1));
-  CHECK(cudaDeviceSynchronize());
-  CHECK(cudaGetLastError());
-  float ms = 0;
-  CHECK(cudaEventElapsedTime(&ms, e0, e1));
+  const float ms = timed([&](int n) { k<<<grid, THREADS, S::TOTAL>>>(da, db, dex, dew, dout, n, lbo, sbo); }, 2, nblk);
   if (result) {
     result->resize(static_cast<size_t>(grid) * ROWS * T);
     CHECK(cudaMemcpy(result->data(), dout, result->size() * 4, cudaMemcpyDeviceToHost));
