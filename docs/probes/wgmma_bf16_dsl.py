@@ -41,24 +41,21 @@ def sizes(t: int) -> dict:
 try:  # the GPU machine has no CuTe DSL: there the cubins come built
   import cutlass
   from cutlass import Float32, Int32, Int64, Uint8, cute
+
+  from gcmoe_jax.kernels.roles_v1 import _ptx1
+  from gcmoe_jax.kernels.roles_v2 import _lds
 except ImportError:
   cutlass = None
 
 
-def _ptx1(code, *args):
-  return cute.arch.inline_ptx(code, write_only_types=[Int32], read_only_args=list(args))
-
-
 def _dec2(word, r: int, scale2):
   """`bf16fold.decode_pair`: register r's two folded BF16 weights, five instructions."""
+  from gcmoe_jax.kernels.bf16fold import E2M1_MAG_MASK, E2M1_SIGN_MASK
   s = 6 - 4 * r
   shift = f"shl.b32 _x, {{$r0}}, {s};" if s > 0 else f"shr.u32 _x, {{$r0}}, {-s};"
-  return _ptx1("{ .reg .b32 _x, _t, _m; " + shift + " and.b32 _t, _x, 0x02000200; and.b32 _m, _x, 0x01C001C0; "
-               "mad.lo.u32 _m, _t, 64, _m; mul.rn.bf16x2 {$w0}, _m, {$r1}; }", word, scale2)
-
-
-def _lds(addr):
-  return _ptx1("ld.shared.u32 {$w0}, [{$r0}];", addr)
+  return _ptx1("{ .reg .b32 _x, _t, _m; " + shift + f" and.b32 _t, _x, {E2M1_SIGN_MASK:#010x}; "
+               f"and.b32 _m, _x, {E2M1_MAG_MASK:#010x}; mad.lo.u32 _m, _t, 64, _m; "
+               "mul.rn.bf16x2 {$w0}, _m, {$r1}; }", word, scale2)
 
 
 def _desc(saddr, lbo: int, sbo: int):
@@ -202,6 +199,7 @@ def sass_summary(cubin: pathlib.Path) -> str:
 def problem(tokens: int, seed: int):
   import ml_dtypes
 
+  from gcmoe_jax import formats
   from gcmoe_jax.kernels import bf16fold
   rng = np.random.default_rng(seed)
   codes = rng.integers(0, 16, (NB, ROWS, 32))
@@ -209,7 +207,7 @@ def problem(tokens: int, seed: int):
   finite = np.nonzero(np.isfinite(e4m3))[0]
   x = e4m3[rng.choice(finite, (NB, tokens, 32))] * np.exp2(rng.integers(-12, -3, (NB, tokens, 1)))
   ew = rng.integers(-10, 2, (NB, ROWS))
-  e2m1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+  e2m1 = np.asarray(formats.decode_e2m1(np.arange(16, dtype=np.uint8)), np.float64)
   w = e2m1[codes] * np.exp2(ew)[..., None]  # [NB, ROWS, 32]
   payload = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)  # [NB, ROWS, 16]: byte i = K 2i, 2i + 1
   plane = x[..., bf16fold.B_PLANE_ORDER]  # [NB, T, 32] in the fragment's K order
