@@ -1,8 +1,9 @@
 """The BF16 wide pass's decode and operand maps (`gcmoe_jax.kernels.bf16fold`), checked on the CPU over every code.
 
-The pass itself is not built yet (docs/kernels_v2.md "Session 58"); these pin down the contract it will be built to:
-every E2M1 code decodes to its folded BF16 value, and the fragment's K order is a permutation that the activation
-plane can follow, so a block's dot through the maps is the block's dot.
+Role 2's `GCMOE_ABLATION=bf16` build runs the pass (docs/kernels_v2.md "Session 59"; its GPU check is
+tests/test_cuda.py's ``bf16_build`` test); these pin down the contract it is built to: every E2M1 code decodes to its
+folded BF16 value, the fragment's K order is a permutation that the activation plane can follow, so a block's dot
+through the maps is the block's dot, and the stage's B area is wgmma's core-matrix layout.
 """
 
 import ml_dtypes
@@ -117,3 +118,33 @@ def test_a_shared_block_dot_through_the_maps_is_the_block_dot():
       got += sum(a * plane[p] for a, p in zip(vals, bf.fragment_positions(t4)))
     want = float(np.sum(E4M3[codes] * 2.0**ew * x))
     assert got == want
+
+
+def test_the_kernels_fold_multiplier_is_the_models():
+  """`fold_scale_bits` (the kernel's IMAD, `roles_v2._fold_mult`) equals `fold_scale` for every byte the fold takes."""
+  for byte in range(bf.E2M1_MAX_SCALE_BYTE + 1):
+    if byte - bf.UE8M0_BIAS >= 1 - bf.BF16_EXP_BIAS + bf.E2M1_PLACED_EXP:
+      assert bf.fold_scale_of_byte(byte) == bf.fold_scale(byte - bf.UE8M0_BIAS), byte
+  with pytest.raises(ValueError, match="byte must be in"):
+    bf.fold_scale_of_byte(bf.E2M1_MAX_SCALE_BYTE + 1)
+
+
+def test_the_bf16_stages_b_chunks_land_in_wgmmas_core_matrix_layout():
+  """`roles_v2.bf16_b_chunk` (where `_issue_x_bf16` copies a slot's 16-B chunk) puts plane position p of block b of
+  slot n where wgmma m64n(8 nt)k16 reads B at k16 step p // 16 of block b from the descriptors `_stage_bf16` passes
+  (no swizzle, K-major: core matrix (k8 group, n8 group) at k8 group * LBO + n8 group * SBO, LBO = 128 nt, SBO =
+  128; row n % 8 at 16 (n % 8), K at 2 (p % 8)), and the chunks tile the area once."""
+  roles_v2 = pytest.importorskip("gcmoe_jax.kernels.roles_v2", reason="CuTe DSL is not importable")
+  for nt in (3, 4, 6, 8):
+    lbo, sbo, block = 128 * nt, 128, nt * roles_v2.BF16_B_BLOCK_BYTES
+    seen = set()
+    for n in range(8 * nt):
+      for q in range(16):
+        b, c = divmod(q, 4)
+        for e in range(8):
+          p = 8 * c + e
+          step, kk = divmod(p, 16)
+          want = b * block + 2 * step * lbo + (kk // 8) * lbo + (n // 8) * sbo + (n % 8) * 16 + (kk % 8) * 2
+          assert roles_v2.bf16_b_chunk(n, q, nt) + 2 * e == want, (nt, n, q, e)
+          seen.add(want)
+    assert seen == set(range(0, 4 * 8 * nt * roles_v2.BF16_PLANE_BYTES, 2))  # 4 blocks of 8 nt slots

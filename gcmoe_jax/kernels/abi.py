@@ -251,6 +251,12 @@ class Workspace:
   # store): low word the call's epoch tag, high word 1 where one of its blocks sent its row to the slow path.
   # Epoch-tagged, so nothing is reset between calls.
   g1tags: int  # u64 [E, 2I / 128]
+  # The BF16 wide passes (``bf16``, one GPU; `GCMOE_ABLATION=bf16`, docs/kernels_v2.md "Session 59"): x and the
+  # requantized SwiGLU output once more, each K32 block as its 32 MXFP8 values with the block scale folded in
+  # (``q 2**e``, exact in BF16), stored in the wgmma fragment's K order (`bf16fold.B_PLANE_ORDER`). Written beside
+  # the digit planes by the same writers (`roles_v2.RoleKernelsV2._quantize_lane`); 0 bytes otherwise.
+  xbf: int  # bf16 [capacity, H / 32, 32]
+  abf: int  # bf16 [capacity * k, I / 32, 32]
   total: int  # bytes
 
   def as_attrs(self) -> dict[str, int]:
@@ -368,12 +374,13 @@ def fused_counters(experts: int, capacity: int, shared: bool) -> tuple[int, int]
 
 def workspace_layout(experts: int, capacity: int, top_k: int, hidden: int, shared: bool,
                      intermediate: int = 0, shared_intermediate: int = 0, ranks: int = 1,
-                     relay: bool = False) -> Workspace:
+                     relay: bool = False, bf16: bool = False) -> Workspace:
   """The workspace layout of a variant: sections in a fixed order, each 256-byte aligned.
 
   ``intermediate`` (I) sizes the v2 sections; 0 leaves them empty (the v1 kernels do not use them).
   ``shared_intermediate`` (Is) sizes the v2 shared-expert sections (0: none). ``ranks`` (R, v2 only) > 1 adds the
-  fused transport's sections and sizes the receive side for R C tokens.
+  fused transport's sections and sizes the receive side for R C tokens. ``bf16`` (one GPU, v2) adds the BF16
+  planes of the BF16 wide passes (``xbf``, ``abf``), last, so that no other section moves.
   """
   if not 1 <= ranks <= MAX_RANKS:
     raise ValueError(f"workspace_layout: ranks must be in [1, {MAX_RANKS}], got {ranks}")
@@ -415,7 +422,9 @@ def workspace_layout(experts: int, capacity: int, top_k: int, hidden: int, share
                      ("rgate", 4 * (1 + ranks) if fused else 0),
                      ("xq", capacity * hidden if fused else 0),
                      ("relay_arena", 2 * capacity * ranks * top_k * hidden if relay else 0),
-                     ("g1tags", 8 * experts * (2 * intermediate // 128) if v2 and not fused else 0)):
+                     ("g1tags", 8 * experts * (2 * intermediate // 128) if v2 and not fused else 0),
+                     ("xbf", 2 * capacity * hidden if bf16 and v2 and not fused else 0),
+                     ("abf", 2 * capacity * top_k * intermediate if bf16 and v2 and not fused else 0)):
     sections[name] = off
     off = _align(off + size)
   return Workspace(total=off, **sections)

@@ -3,8 +3,8 @@
 Role 2's wide passes may run on BF16 ``wgmma`` with the block scales folded into the operands: an E2M1 weight times
 its block's ``2**ew`` and an E4M3 activation times its ``2**ex`` are exact in BF16, their products exact in FP32,
 and each K32 block summed on its own by the tensor cores then added in FP32 meets the numerics bar (measured: worst
-cosine 0.9999999999 to ``reference.moe_emulated``; one sum over all of K does not). The kernel is not built yet; this
-module is the contract it will be built to, checked on the CPU (``tests/test_bf16fold.py``):
+cosine 0.9999999999 to ``reference.moe_emulated``; one sum over all of K does not). This module is the contract
+the kernel is built to, checked on the CPU (``tests/test_bf16fold.py``):
 
 - **The lane's word.** A (row, K32 block) of the routed payload is 16 bytes, byte i holding the codes of K 2i (low
   nibble) and 2i + 1. Lane t4 of a quad takes word t4 of it (`lane_word`: K 8 t4 .. 8 t4 + 7, nibble n = K 8 t4 +
@@ -28,7 +28,8 @@ bit 15, and one ``mul.rn.bf16x2`` by ``2**(120 + ew)`` (`fold_scale_e4m3`, ``ew 
 weight: 6 instructions per register, and the same `B_PLANE_ORDER`, so the routed GEMM1's activation plane serves the
 shared expert's too. (E4M3 NaN codes decode to finite values: weights are finite by construction, `formats`.)
 
-When a kernel imports these constants, this file joins `build._KERNEL_SOURCES` (the cubins' key).
+Role 2's `GCMOE_ABLATION=bf16` build imports these constants (`roles_v2._bf16_decode`, `_fold_mult`), so this file
+is one of `build._KERNEL_SOURCES` (the cubins' key).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import numpy as np
 
 __all__ = ["B_PLANE_ORDER", "B_PLANE_POSITION", "E2M1_MAX_EW", "E2M1_MAX_SCALE_BYTE", "E2M1_MAG_MASK",
            "E2M1_SIGN_MASK", "E4M3_MAX_EW", "decode_e4m3_pair", "decode_pair", "fold_scale", "fold_scale_e4m3",
-           "fold_scale_of_byte", "fragment_k", "fragment_positions", "lane_word", "plane_position", "prmt",
+           "fold_scale_bits", "fold_scale_of_byte", "fragment_k", "fragment_positions", "lane_word", "plane_position", "prmt",
            "shared_lane_words"]
 
 E2M1_MAG_MASK = 0x01C001C0  # after the shift: the two codes' magnitude bits (BF16 bits 6-8 of each half)
@@ -108,12 +109,17 @@ def fold_scale(ew: int) -> int:
   return h | (h << 16)
 
 
+def fold_scale_bits(byte):
+  """The kernel's arithmetic of `fold_scale_of_byte`, unchecked (an int or a DSL value): ``(byte + 126)`` times
+  ``0x800080`` puts ``(byte + 126) << 7`` in both halves (one IMAD per (row, block) after the byte's prmt)."""
+  return (byte + (BF16_EXP_BIAS - E2M1_PLACED_EXP - UE8M0_BIAS)) * 0x800080
+
+
 def fold_scale_of_byte(byte: int) -> int:
-  """`fold_scale` from a weight block's UE8M0 scale byte, as the kernel computes it: ``((byte + 126) << 7)`` in
-  both halves (one IADD and one IMAD by 0x10001 per (row, block))."""
+  """`fold_scale` from a weight block's UE8M0 scale byte, as the kernel computes it (`fold_scale_bits`)."""
   if not 0 <= byte <= E2M1_MAX_SCALE_BYTE:
     raise ValueError(f"fold_scale_of_byte: byte must be in [0, {E2M1_MAX_SCALE_BYTE}], got {byte}")
-  return (((byte - E2M1_PLACED_EXP - UE8M0_BIAS + BF16_EXP_BIAS) << 7) * 0x10001) & 0xFFFFFFFF
+  return fold_scale_bits(byte) & 0xFFFFFFFF
 
 
 def _bf16_of_bits(bits: int) -> float:

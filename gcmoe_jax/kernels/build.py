@@ -63,7 +63,8 @@ ROLE_TITLES = ("dispatch", "compute", "finalize")
 # Grid hints in the runtime's convention (0 = the runtime's choice): role 1 needs one CTA (block 0 works, others
 # return); roles 2 and 3 take any grid (role 2 reads %nctaid.x, role 3 strides tokens over blocks).
 GRID_HINTS = (1, 0, 0)
-_KERNEL_SOURCES = ("roles_v1.py", "roles_v2.py", "abi.py")  # what the cubins are made of (the source hash)
+# What the cubins are made of (the source hash).
+_KERNEL_SOURCES = ("roles_v1.py", "roles_v2.py", "abi.py", "bf16fold.py")
 _DSL_PREFIX = "nvidia-cutlass-dsl"
 # PTX parameter types of the ABI: 13 pointers, then tokens (int32) and clamp (float32).
 _PTX_PARAM_TYPES = (".u64",) * abi.NUM_POINTER_PARAMS + (".u32", ".f32")
@@ -84,8 +85,9 @@ _FUSED_SHARED_SPILL_BUDGET = {2: 64}
 # A `GCMOE_ABLATION` build (timing or diagnostic, never loaded by a normal run: the ablation is in its key) may spill
 # more, at one CTA per SM too: the timeline's stamps cost the shared-expert two-CTA role 2 ~100 B, an ablation's
 # changed code a stack slot (`twoplane`'s one-CTA shared variant 8 B since session 23; its meta.json and the build
-# report still record the spills).
-_ABLATION_SPILL_BUDGET = {2: 192}
+# report still record the spills), `bf16`'s BF16 wide passes beside the int8 ones they fall back to 224 B at the
+# small shape's capacity 64 (the paper shapes' 136-144 B, as their normal builds').
+_ABLATION_SPILL_BUDGET = {2: 256}
 # The stack frame ptxas gives an sm_120a kernel that issues TMA through a by-value TensorMap, without spilling (nvcc's
 # own __grid_constant__ CUtensorMap kernels show it too; sm_90a has none).
 _TENSORMAP_FRAME = 8
@@ -192,7 +194,7 @@ class Variant:
     v2 = (kernels or generation()) == "v2"
     return abi.workspace_layout(self.experts, self.capacity, self.top_k, self.hidden, self.shared,
                                 self.intermediate if v2 else 0, (self.shared_intermediate or 0) if v2 else 0,
-                                self.ranks if v2 else 1, self.relay and v2)
+                                self.ranks if v2 else 1, self.relay and v2, bf16=v2 and bf16_passes())
 
   def to_dict(self) -> dict[str, int | None]:
     return dataclasses.asdict(self)
@@ -253,6 +255,12 @@ def dsl_versions() -> dict[str, str]:
 def generation() -> str:
   """The role-kernel generation in use: ``GCMOE_KERNELS`` (v2 by default, v1 the SIMT reference kernels)."""
   return _config.get("GCMOE_KERNELS")
+
+
+def bf16_passes() -> bool:
+  """Whether role 2's wide passes run on BF16 ``wgmma`` (`GCMOE_ABLATION=bf16`, docs/kernels_v2.md "Session 59"):
+  the one-GPU v2 workspace then holds the BF16 planes (`abi.Workspace.xbf`, ``abf``)."""
+  return _config.kernel_ablation() in ("bf16", "bf16one")
 
 
 def source_sha256() -> str:

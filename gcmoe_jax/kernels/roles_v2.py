@@ -83,7 +83,7 @@ import cutlass
 from cutlass import Float32, Int32, Int64, cute
 
 from gcmoe_jax import _config, geometry
-from gcmoe_jax.kernels import abi
+from gcmoe_jax.kernels import abi, bf16fold
 from gcmoe_jax.kernels import roles_v1 as v1
 from gcmoe_jax.kernels.build import Variant
 
@@ -720,6 +720,75 @@ def _split_fragments(words, s: int, tabs):
   return (tuple(_prmt(tabs[0], POS2_HI, w) for w in w4), tuple(_prmt(tabs[1], NEG_HI, w & 0x7777) for w in w4))
 
 
+# ---- the BF16 wide pass (`GCMOE_ABLATION=bf16`, docs/kernels_v2.md "Session 59") -------------------------------
+# A K32 block's weights decoded to BF16 with the block scale folded in (`bf16fold.decode_pair`), the activations'
+# BF16 plane (`abi.Workspace.xbf`) in the fragment's K order, two BF16 wgmma m64nNk16 per block from zero, the
+# block's sum added to the FP32 accumulator in K order. The B area of a stage holds, per K32 block, wgmma's
+# no-swizzle core matrices (8 tokens x 8 K, 16 B a token) as [k8 group][n8 group]: 64 B per (token, block).
+BF16_B_BLOCK_BYTES = 4 * 128  # a block's four k8 groups of one n8 group
+BF16_PLANE_BYTES = 64  # a (row, K32 block) of a BF16 plane
+BF16_NAN = 0x7FC0
+# The scale bytes the fold takes without a finite-range question: top bits 01, i.e. 2**-63 <= 2**ew <= 2**0 (where
+# `SCALE_BYTE_BITS`' fast path holds and ``2**(126 + ew)`` is a normal BF16). A pass that meets another byte runs
+# its int8 body again.
+BF16_BYTE_MASK = v1._i32(0xC0C0C0C0)
+BF16_BYTE_OK = 0x40404040
+
+
+def bf16_b_chunk(slot, q, nt):
+  """Byte offset in a `bf16` stage's B area of 16-B chunk ``q`` (block q // 4, k8 group q % 4: positions 8 (q % 4)
+  .. + 7 of the block's BF16 plane) of ``slot``: wgmma's no-swizzle core matrix (k8 group, slot // 8), row slot %
+  8, in a pass of ``nt`` n-tiles (ints or DSL values)."""
+  return (q // 4) * (nt * BF16_B_BLOCK_BYTES) + ((q % 4) * nt + slot // 8) * 128 + (slot % 8) * 16
+
+
+def _bf16_decode(word, r: int, mult) -> Int32:
+  """`bf16fold.decode_pair`: the folded BF16 weights of nibbles (r, r + 4) of ``word``, five instructions."""
+  sh = 6 - 4 * r
+  shift = f"shl.b32 _x, {{$r0}}, {sh};" if sh > 0 else f"shr.u32 _x, {{$r0}}, {-sh};"
+  return v1._ptx1("{ .reg .b32 _x, _t, _m; " + shift + f" and.b32 _t, _x, {bf16fold.E2M1_SIGN_MASK:#010x}; "
+                  f"and.b32 _m, _x, {bf16fold.E2M1_MAG_MASK:#010x}; mad.lo.u32 _m, _t, 64, _m; "
+                  "mul.rn.bf16x2 {$w0}, _m, {$r1}; }", word, mult)
+
+
+def _fold_mult(word, s: int) -> Int32:
+  """`bf16fold.fold_scale_of_byte` of byte ``s`` of a scale word: ``2**(126 + ew)`` in both BF16 halves."""
+  return bf16fold.fold_scale_bits(_scale_byte(word, s))
+
+
+def _smem_desc(saddr, lbo: int, sbo: int) -> Int64:
+  """wgmma's shared-memory matrix descriptor, no swizzle: start, leading (K) and stride (N) byte offsets / 16."""
+  return Int64((saddr & 0x3FFFF) >> 4) | Int64((lbo >> 4) << 16) | Int64((sbo >> 4) << 32)
+
+
+def _wgmma_bf16_block(nt: int, a, desc0, desc1):
+  """One K32 block's sum into fresh registers: two BF16 wgmma m64n(8 nt)k16, the first from zero (scale-d false),
+  A from registers (``a``: the block's eight `_bf16_decode` words, k16 step 0's four first), then their commit."""
+  r = 4 * nt
+  d = ", ".join(f"{{$w{i}}}" for i in range(r))
+  cute.arch.inline_ptx("wgmma.fence.sync.aligned;", read_only_args=[])
+  res = cute.arch.inline_ptx(
+    "{ .reg .pred _p; setp.ne.b32 _p, 0, 0; "
+    f"wgmma.mma_async.sync.aligned.m64n{8 * nt}k16.f32.bf16.bf16 {{{d}}}, {{{{$r0}}, {{$r1}}, {{$r2}}, {{$r3}}}}, "
+    "{$r8}, _p, 1, 1, 0; "
+    f"wgmma.mma_async.sync.aligned.m64n{8 * nt}k16.f32.bf16.bf16 {{{d}}}, {{{{$r4}}, {{$r5}}, {{$r6}}, {{$r7}}}}, "
+    "{$r9}, 1, 1, 1, 0; }",
+    write_only_types=[Int32] * r, read_only_args=list(a) + [desc0, desc1])
+  cute.arch.inline_ptx("wgmma.commit_group.sync.aligned;", read_only_args=[])
+  return res
+
+
+def _wgmma_wait_add(nt: int, pending: int, acc, d) -> None:
+  """Waits until at most ``pending`` wgmma groups are in flight, then ``acc[i] += d[i]`` (FP32, round to nearest):
+  one statement, so that nothing reads the sums before the wait (inline PTX has no read-write operands)."""
+  r = 4 * nt
+  adds = " ".join(f"add.rn.f32 {{$w{i}}}, {{$r{i}}}, {{$r{r + i}}};" for i in range(r))
+  res = cute.arch.inline_ptx(f"{{ wgmma.wait_group.sync.aligned {pending}; {adds} }}", write_only_types=[Int32] * r,
+                             read_only_args=[acc[i] for i in range(r)] + [d[i] for i in range(r)])
+  for i in range(r):
+    acc[i] = res[i]
+
+
 def _scaled_add(fast: bool, df, xw, wb, acc):
   """``acc + df * 2**n`` of one block (``df`` = f32(D), ``xw`` the token's exponent word, ``wb`` the row's scale
   byte): the fast path's exact scaled FMA, or the slow path's two-step scaling with NaN blocks (`_stage`)."""
@@ -1061,6 +1130,13 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # (`_sh_tiles`) start at a constant instead of at the ends of Shh's and Sll's, so each n-tile's MMAs form chains
     # of at most two instead of four (the same instructions in number; the same int32 sums mod 2**32).
     self.sh_free = self.ablation == "shfree"
+    # `GCMOE_ABLATION=bf16` (docs/kernels_v2.md "Session 59"): the routed one-GPU passes wider than the split decode
+    # (`SPLIT_DECODE_NT`) on BF16 wgmma (`_stage_bf16`), their B from the BF16 planes (`abi.Workspace.xbf`, ``abf``).
+    self.bf16 = (self.ablation in ("bf16", "bf16one") and not self.qmma and not self.fused and not self.tma
+                 and self.nt_max > SPLIT_DECODE_NT)
+    # Block sums in flight per warpgroup: two (block s + 1's wgmma runs while block s's sum is added), or one
+    # (`GCMOE_ABLATION=bf16one`: each block's wgmma waited for before the next block's decode; fewer registers).
+    self.bf16_sets = 1 if self.ablation == "bf16one" else 2
     # `GCMOE_ABLATION=kbany` (timing, results exact): a routed GEMM2 item of one or two rows waits per K128 block for
     # the two GEMM1 items producing it, one of one row taking its stages in the order they become ready
     # (`_any_mainloop`), in the one-rank routed variants of up to 8 tokens (the one-row body; the cp.async producer;
@@ -1613,7 +1689,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       val = v1._ld_nc_bf16(x.toint() + (Int64(t) * v.hidden + b * v1.K32 + lane) * v1.BF16_BYTES)
       n, e, bad = self._quantize_lane(val, lane, wsb + ws.xplanes + Int64(q) * BLOCK_BYTES,
                                       wsb + ws.xexp + Int64(q) * 4, wsb + ws.xflag + Int64(t) * 4,
-                                      wsb + ws.xsf + Int64(q), cur)
+                                      wsb + ws.xsf + Int64(q), cur,
+                                      bf_addr=wsb + ws.xbf + Int64(q) * BF16_PLANE_BYTES if self.bf16 else None)
       if cutlass.const_expr(v.shared):
         self._store_digits(n, e, bad, lane, wsb + ws.sxp + Int64(q) * SH_BLOCK, wsb + ws.sxe + Int64(q) * 4)
       if cutlass.const_expr(self.engine):  # the row as the peers' pull engines copy it (`abi.Workspace.xq`)
@@ -2776,16 +2853,22 @@ class RoleKernelsV2(v1.RoleKernelsV1):
 
   @cute.jit
   def _quantize_lane(self, val: Int32, lane: Int32, planes: Int64, exp_addr: Int64, flag_addr: Int64, sf_addr: Int64,
-                     cur: Int32, slow_word=None):
+                     cur: Int32, slow_word=None, bf_addr=None):
     """MXFP8 of one K32 block held one element per lane (float32 bits), written as digit planes + exponent word.
 
     The same arithmetic as `roles_v1._quantize_block` (amax over finite values, NaN/Inf flags the block, RNE onto
     E4M3 after the two-step scaling), with the amax and the flag reduced across the warp. A NaN block or an
     exponent outside `abi.FAST_EXP` tags the row's flag word with ``cur`` (and stores 1 to the SMEM word
     ``slow_word``, if given: `kbany`). The sm_120a seam stores the block's E4M3 codes in plane 0 and its UE8M0 byte
-    at ``sf_addr`` instead (0xFF, NaN, for a NaN block).
+    at ``sf_addr`` instead (0xFF, NaN, for a NaN block). ``bf_addr`` (`bf16`): the block's BF16 plane, where the
+    lane stores ``q 2**e`` (exact: ``512 q`` times ``2**(e - 9)``; NaN for a NaN block, whose row takes the int8
+    body) at `bf16fold.plane_position` of its K.
     """
     n, e, bad = self._mx_lane(val)
+    if cutlass.const_expr(bf_addr is not None):
+      folded = v1._fmul(v1._i2f(n), v1._exp2_bits(e - 9)) >> v1.BF16_SHIFT
+      v1._st_bf16(bf_addr + bf16fold.plane_position(lane) * v1.BF16_BYTES,
+                  cutlass.select_(bad != 0, Int32(BF16_NAN), folded))
     if cutlass.const_expr(self.qmma):
       _st_u8(planes + lane, _e4m3_code(n))
       if lane == 0:
@@ -3003,6 +3086,23 @@ class RoleKernelsV2(v1.RoleKernelsV1):
             moved = (_shfl_idx(acc[0], even), _shfl_idx(acc[0], odd), _shfl_idx(acc[1], even), _shfl_idx(acc[1], odd))
             for c in cutlass.range_constexpr(4):
               acc[c] = moved[c]
+      elif cutlass.const_expr(self.bf16 and nt > SPLIT_DECODE_NT and not single and not kpair and tw is None):
+        # (`bf16`) The BF16 body where every row is fast; a weight scale byte outside the fold (`BF16_BYTE_OK`) in
+        # any stage sends the pass to the int8 body again, from its first stage.
+        redo = 1 - rows_fast
+        if rows_fast != 0:
+          bad = cute.make_rmem_tensor(1, Int32)
+          bad[0] = Int32(0)
+          bf_planes = wsb + (ws.abf if cutlass.const_expr(g2) else ws.xbf)
+          self._cpasync_mainloop(nt, n_st, st_bytes, pw_e, psc_e, row0, n_rows, kb_n, nblk, bf_planes, exps, ctl,
+                                 pipe, rows_fast, acc, bf16=bad)
+          redo = _bar_or(bad[0])
+          if redo != 0:
+            for i in cutlass.range_constexpr(4 * nt):
+              acc[i] = Int32(0)
+        if redo != 0:
+          self._cpasync_mainloop(nt, n_st, st_bytes, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl, pipe,
+                                 rows_fast, acc)
       else:
         self._cpasync_mainloop(nt, n_st, st_bytes, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl, pipe,
                                rows_fast, acc, single, kpair=kpair, pre=pre, tw=tw)
@@ -3053,7 +3153,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
           blk = Int64(asg) * self.nblk_i + 2 * j + half
           self._quantize_lane(val, lane, wsb + ws.aplanes + blk * BLOCK_BYTES, wsb + ws.aexp + blk * 4,
                               wsb + ws.aflag + Int64(asg) * 4, wsb + ws.asf + blk, cur,
-                              ctl + CTL_G1SLOW if cutlass.const_expr(self.kbany) else None)
+                              ctl + CTL_G1SLOW if cutlass.const_expr(self.kbany) else None,
+                              bf_addr=wsb + ws.abf + blk * BF16_PLANE_BYTES if self.bf16 else None)
     cute.arch.sync_threads()  # the slot table and the pipeline area are rewritten by the next chunk
 
   @cute.jit
@@ -3319,7 +3420,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
                         pw_e: Int64, psc_e: Int64, row0: Int32, n_rows: cutlass.Constexpr, kb_n: cutlass.Constexpr,
                         nblk: cutlass.Constexpr, planes: Int64, exps: Int64, ctl: Int32, pipe: Int32,
                         rows_fast: Int32, acc: cute.Tensor, single: cutlass.Constexpr = False, pair=None,
-                        kpair: cutlass.Constexpr = False, pre=None, tw=None):
+                        kpair: cutlass.Constexpr = False, pre=None, tw=None, bf16=None):
     """The K loop of the per-thread producer (sm_90a): every thread issues cp.async copies of the stages ahead and
     the CTA meets at a barrier per stage, or per two stages in narrow passes (``single``: a one-row pass, whose
     padding slots are never read, so only slot 0's B rows are copied; ``pair``: 2 for a pass of two rows, 4 for
@@ -3333,7 +3434,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     ``pre`` (an Int32, `w_early`): 1 where `_w_ahead` copied the prologue's weights and scale words already.
 
     ``tw`` (`RoleKernelsV2.tma_w`: the TensorMap, the tile's first row in it, the workspace and the epoch): the
-    weight tiles by TMA onto the slots' ``full`` mbarriers (`_issue`, `_weights_landed`)."""
+    weight tiles by TMA onto the slots' ``full`` mbarriers (`_issue`, `_weights_landed`).
+
+    ``bf16`` (`RoleKernelsV2.bf16`, a wide pass; ``planes`` then the BF16 planes): the stages' B in wgmma's layout
+    (`_issue_x_bf16`) and `_stage_bf16`, which ORs into ``bf16[0]`` where a stage's weight scales leave the fold."""
     slots = 8 * nt
     n_copy = 1 if cutlass.const_expr(single) else slots
     if cutlass.const_expr(kpair or (self.three_cta and single)):
@@ -3345,6 +3449,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # (19.5 % of role 2's samples, docs/kernels_v2.md). The copies run one stage less ahead for it, and n_st >= 6
     # keeps the wait below at n_st - 4 >= 2 stages in flight.
     per_bar = self._per_bar(nt, n_st, n_kb)
+    assert bf16 is None or per_bar == 1  # (the paired steps' copies below issue int8 B only)
     kpair_bar = per_bar if cutlass.const_expr(kpair) else 0  # (`_issue`: stages of two half tiles)
     pbuf = pipe + n_st * st_bytes  # (`kpair`: the warps' p, two sets by barrier step)
     p_set = WARPS // 2 * per_bar * KPAIR_P_BYTES
@@ -3358,11 +3463,13 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       if s < n_kb:
         self._issue(s, pipe + s * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes, exps, ctl, n_copy,
                     kpair_bar, None if cutlass.const_expr(pre is None) else 1 - pre, src,
-                    tma=_slot_tma(tw, bars, s, n_st))
+                    tma=_slot_tma(tw, bars, s, n_st), bf16=bf16 is not None)
       _commit()
     for kq in range(n_kb // per_bar):
       kb = kq * per_bar
       _wait_group(n_st - 2 * per_bar)  # stages kb .. kb + per_bar - 1 have landed (this thread's copies)
+      if cutlass.const_expr(bf16 is not None):
+        _fence_async_smem()  # the copies wrote through the generic proxy; wgmma reads through the async one
       if cutlass.const_expr(tw is not None):
         for q in cutlass.range_constexpr(per_bar):
           self._weights_landed(kb + q, bars + 8 * ((kb + q) % n_st), tw, ctl, n_st)
@@ -3404,7 +3511,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
           for q in cutlass.range_constexpr(per_bar):
             nk = kb + n_st - per_bar + q
             self._issue(nk, pipe + (nk % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes,
-                        exps, ctl, n_copy, kpair_bar, src=src, tma=_slot_tma(tw, bars, nk, n_st))
+                        exps, ctl, n_copy, kpair_bar, src=src, tma=_slot_tma(tw, bars, nk, n_st), bf16=bf16 is not None)
             _commit()
         else:
           for q in cutlass.range_constexpr(per_bar):
@@ -3414,10 +3521,13 @@ class RoleKernelsV2(v1.RoleKernelsV1):
           nk = kb + n_st - per_bar + q
           if nk < n_kb:
             self._issue(nk, pipe + (nk % n_st) * st_bytes, slots, pw_e, psc_e, row0, n_rows, kb_n, nblk, planes,
-                        exps, ctl, n_copy, kpair_bar, src=src, tma=_slot_tma(tw, bars, nk, n_st))
+                        exps, ctl, n_copy, kpair_bar, src=src, tma=_slot_tma(tw, bars, nk, n_st), bf16=bf16 is not None)
           _commit()
       p_out = pbuf + (kq % 2) * p_set if cutlass.const_expr(kpair) else None
-      if cutlass.const_expr(per_bar % 2 == 0 and self.pair_test):
+      if cutlass.const_expr(bf16 is not None):
+        for q in cutlass.range_constexpr(per_bar):
+          self._stage_bf16(nt, pipe + ((kb + q) % n_st) * st_bytes, acc, bf16)
+      elif cutlass.const_expr(per_bar % 2 == 0 and self.pair_test):
         for q2 in cutlass.range_constexpr(0, per_bar, 2):  # (`bar4`: two pairs between barriers)
           self._compute(nt, (pipe + ((kb + q2) % n_st) * st_bytes, pipe + ((kb + q2 + 1) % n_st) * st_bytes),
                         rows_fast, acc, single, tabs, pair, p_out, q2, per_bar,
@@ -3959,12 +4069,13 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   def _issue(self, kb: Int32, sb: Int32, slots: cutlass.Constexpr, pw_e: Int64, psc_e: Int64, row0: Int32,
              n_rows: cutlass.Constexpr, kb_n: cutlass.Constexpr, nblk: cutlass.Constexpr, planes: Int64,
              exps: Int64, ctl: Int32, n_copy: cutlass.Constexpr = -1, per_bar: cutlass.Constexpr = 0, w_on=None,
-             src=None, parts: cutlass.Constexpr = "all", tma=None):
+             src=None, parts: cutlass.Constexpr = "all", tma=None, bf16: cutlass.Constexpr = False):
     """cp.async of K128 block ``kb`` into the stage at ``sb``: weights (swizzled), scales, B planes, exponents (of the
     first ``n_copy`` slots of the stage's ``slots``; -1: all). ``src``: this thread's sources from
     `_copy_sources`, taken once per pass. ``parts`` "x" (`RoleKernelsV2.copy_mid`): all but the weights. ``tma``
     (`RoleKernelsV2.tma_w`: the pass's TensorMap data and the slot's ``full`` mbarrier, `_slot_tma`): the weights by
-    one TMA copy from thread 0 onto that mbarrier instead.
+    one TMA copy from thread 0 onto that mbarrier instead. ``bf16`` (a `RoleKernelsV2.bf16` pass): the B side from
+    the BF16 planes at ``planes`` (`_issue_x_bf16`).
 
     ``per_bar`` > 0 (a `kpair` pass, its stages meeting at a barrier every ``per_bar``): ``kb`` is a stage of two
     half tiles, rows row0 .. row0 + 63 of K128 tile `kpair_tile` (kb, 0) as the stage's rows 0-63 and B slots 0 ..
@@ -3979,7 +4090,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     else:
       if w_on != 0:
         self._issue_w(kb, sb, pw_e, psc_e, row0, n_rows, per_bar, w_src)
-    self._issue_x(kb, sb, slots, nblk, planes, exps, ctl, n_copy, per_bar, x_rows)
+    if cutlass.const_expr(bf16):
+      self._issue_x_bf16(kb, sb, slots, nblk, planes, ctl)
+    else:
+      self._issue_x(kb, sb, slots, nblk, planes, exps, ctl, n_copy, per_bar, x_rows)
     if cutlass.const_expr(tma is not None):
       tid, _, _ = cute.arch.thread_idx()
       if tid == 0:
@@ -4057,6 +4171,52 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       else:
         src = psc_e + (Int64(kb) * n_rows + row0 + tid) * v1.WORD_BYTES
       _cp4(sb + W_BYTES + tid * 4, src)
+
+  @cute.jit
+  def _issue_x_bf16(self, kb: Int32, sb: Int32, slots: cutlass.Constexpr, nblk: cutlass.Constexpr, planes: Int64,
+                    ctl: Int32):
+    """`_issue`'s B side in a `bf16` pass: K128 block ``kb`` of the slots' BF16 planes, 16-B chunk (block b, k8
+    group c) of a slot into wgmma's core matrix (c, slot // 8), row slot % 8 (`BF16_B_BLOCK_BYTES`); padding slots
+    zero-filled. Consecutive threads take a slot's 256 consecutive bytes."""
+    tid, _, _ = cute.arch.thread_idx()
+    nt = slots // 8
+    chunks = slots * 16
+    for i in cutlass.range_constexpr((chunks + THREADS - 1) // THREADS):
+      c = tid + i * THREADS
+      if c < chunks:
+        slot = c // 16
+        q = c % 16
+        src_row = _lds(ctl + CTL_SLOT_SRC + slot * 4)
+        dst = sb + W_BYTES + SC_BYTES + bf16_b_chunk(slot, q, nt)
+        src = planes + (Int64(cutlass.max(src_row, 0)) * nblk + 4 * kb) * BF16_PLANE_BYTES + q * 16
+        _cp16(dst, src, cutlass.select_(src_row >= 0, Int32(16), Int32(0)))
+
+  @cute.jit
+  def _stage_bf16(self, nt: cutlass.Constexpr, sb: Int32, acc: cute.Tensor, bad: cute.Tensor):
+    """One K128 stage of a `bf16` pass: per K32 block s the weights of rows g and g + 8 (the int8 bodies' words,
+    `_weight_words`) decoded with the block scale folded in (`_bf16_decode`, `_fold_mult`), two BF16 wgmma from
+    zero over the stage's B (`_issue_x_bf16`), and the block's sum added to ``acc`` in K order while the next
+    block's wgmma runs; every wgmma of the stage is done at its end (the next copies overwrite it). ``acc[4 i + 2 h
+    + p]`` is row 16 warp + g + 8 h, slot 8 i + 2 t4 + p, as in the int8 bodies. ``bad[0]``: nonzero where a scale
+    byte of this thread's rows leaves `BF16_BYTE_OK` (the pass then runs its int8 body)."""
+    warp, lane, _, _ = _lanes()
+    scw = self._scale_words(sb)
+    bad[0] = bad[0] | ((scw[0] & BF16_BYTE_MASK) ^ BF16_BYTE_OK) | ((scw[1] & BF16_BYTE_MASK) ^ BF16_BYTE_OK)
+    words = _weight_words(sb, warp, lane)
+    base = sb + W_BYTES + SC_BYTES
+    lbo = nt * 128  # between k8 groups; n8 groups 128 apart
+    sums = [None, None]
+    for s in cutlass.range_constexpr(v1.SUBS):
+      mult = (_fold_mult(scw[0], s), _fold_mult(scw[1], s))
+      a = [_bf16_decode(words[2 * s + h], r, mult[h]) for r in range(4) for h in range(2)]
+      blk = base + s * (nt * BF16_B_BLOCK_BYTES)
+      sums[s % 2] = _wgmma_bf16_block(nt, a, _smem_desc(blk, lbo, 128), _smem_desc(blk + 2 * lbo, lbo, 128))
+      if cutlass.const_expr(self.bf16_sets == 1):
+        _wgmma_wait_add(nt, 0, acc, sums[s % 2])
+      elif cutlass.const_expr(s > 0):
+        _wgmma_wait_add(nt, 1, acc, sums[(s - 1) % 2])
+    if cutlass.const_expr(self.bf16_sets == 2):
+      _wgmma_wait_add(nt, 0, acc, sums[(v1.SUBS - 1) % 2])
 
   @cute.jit
   def _issue_x(self, kb: Int32, sb: Int32, slots: cutlass.Constexpr, nblk: cutlass.Constexpr, planes: Int64,
