@@ -39,7 +39,8 @@ import numpy as np
 
 __all__ = ["B_PLANE_ORDER", "B_PLANE_POSITION", "E2M1_MAX_EW", "E2M1_MAX_SCALE_BYTE", "E2M1_MAG_MASK",
            "E2M1_SIGN_MASK", "E4M3_MAX_EW", "decode_e4m3_pair", "decode_pair", "fold_scale", "fold_scale_e4m3",
-           "fold_scale_bits", "fold_scale_of_byte", "fragment_k", "fragment_positions", "lane_word", "plane_position", "prmt",
+           "fold_scale_bits", "fold_scale_of_byte", "fragment_k", "fragment_positions", "lane_word", "plane_position",
+           "prmt",
            "shared_lane_words"]
 
 E2M1_MAG_MASK = 0x01C001C0  # after the shift: the two codes' magnitude bits (BF16 bits 6-8 of each half)
