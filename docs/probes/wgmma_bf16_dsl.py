@@ -40,49 +40,22 @@ def sizes(t: int) -> dict:
 
 try:  # the GPU machine has no CuTe DSL: there the cubins come built
   import cutlass
-  from cutlass import Float32, Int32, Int64, Uint8, cute
+  from cutlass import Int32, Int64, Uint8, cute
 
-  from gcmoe_jax.kernels.roles_v1 import _ptx1
-  from gcmoe_jax.kernels.roles_v2 import _lds
+  from gcmoe_jax.kernels.roles_v2 import _bf16_decode, _lds, _smem_desc, _wgmma_bf16_block, _wgmma_wait_add
 except ImportError:
   cutlass = None
-
-
-def _dec2(word, r: int, scale2):
-  """`bf16fold.decode_pair`: register r's two folded BF16 weights, five instructions."""
-  from gcmoe_jax.kernels.bf16fold import E2M1_MAG_MASK, E2M1_SIGN_MASK
-  s = 6 - 4 * r
-  shift = f"shl.b32 _x, {{$r0}}, {s};" if s > 0 else f"shr.u32 _x, {{$r0}}, {-s};"
-  return _ptx1("{ .reg .b32 _x, _t, _m; " + shift + f" and.b32 _t, _x, {E2M1_SIGN_MASK:#010x}; "
-               f"and.b32 _m, _x, {E2M1_MAG_MASK:#010x}; mad.lo.u32 _m, _t, 64, _m; "
-               "mul.rn.bf16x2 {$w0}, _m, {$r1}; }", word, scale2)
-
-
-def _desc(saddr, lbo: int, sbo: int):
-  """wgmma's shared-memory matrix descriptor: start, leading and stride byte offsets in 16 B units, no swizzle."""
-  return Int64((saddr & 0x3FFFF) >> 4) | (Int64(lbo >> 4) << 16) | (Int64(sbo >> 4) << 32)
 
 
 if cutlass is not None:  # (the class is defined only where CuTe DSL is: its decorators trace the kernel)
 
   class Probe:
-    """The k32r pass at T tokens (`build`)."""
+    """The k32r pass at T tokens (`build`), with role 2's BF16 helpers (`roles_v2._stage_bf16`'s)."""
 
     def __init__(self, tokens: int):
       self.t = tokens
-      self.r = tokens // 2  # accumulator registers per thread (m64nT)
+      self.nt = tokens // 8  # n-tiles: accumulator registers per thread 4 nt (m64nT)
       self.sz = sizes(tokens)
-      r = self.r
-      dl = ", ".join(f"{{$w{i}}}" for i in range(r))
-      # One block's two k16 steps in one statement, the sums write-only: the first starts from zero (scale-d false).
-      self.wgmma_text = ("{ .reg .pred p; setp.ne.b32 p, 0, 0; "
-                         f"wgmma.mma_async.sync.aligned.m64n{tokens}k16.f32.bf16.bf16 {{{dl}}}, "
-                         "{{$r0}, {$r1}, {$r2}, {$r3}}, {$r8}, p, 1, 1, 0; "
-                         f"wgmma.mma_async.sync.aligned.m64n{tokens}k16.f32.bf16.bf16 {{{dl}}}, "
-                         "{{$r4}, {$r5}, {$r6}, {$r7}}, {$r9}, 1, 1, 1, 0; }")
-      # The wait and the block's FADDs in one statement: nothing reads the sums before the wait (inputs: acc, then d).
-      adds = " ".join(f"add.f32 {{$w{i}}}, {{$r{i}}}, {{$r{r + i}}};" for i in range(r))
-      self.wait_add_text = [f"{{ wgmma.wait_group.sync.aligned {n}; {adds} }}" for n in (0, 1)]
 
     def _decode(self, sa, ss, q, row0, t4):
       b = q % NB
@@ -90,24 +63,12 @@ if cutlass is not None:  # (the class is defined only where CuTe DSL is: its dec
       w1 = _lds(sa + (b * ROWS + row0 + 8) * 16 + t4 * 4)
       s0 = _lds(ss + (b * ROWS + row0) * 4)
       s1 = _lds(ss + (b * ROWS + row0 + 8) * 4)
-      return [_dec2(w, r, s) for r in range(4) for w, s in ((w0, s0), (w1, s1))]
+      return [_bf16_decode(w, r, s) for r in range(4) for w, s in ((w0, s0), (w1, s1))]
 
-    def _issue(self, d, a, sb, q):
+    def _issue(self, a, sb, q):
       base = sb + (q % NB) * self.sz["b_block"]
       lbo, sbo = self.sz["lbo"], self.sz["sbo"]
-      cute.arch.inline_ptx("wgmma.fence.sync.aligned;", read_only_args=[])
-      res = cute.arch.inline_ptx(self.wgmma_text, write_only_types=[Float32] * self.r,
-                                 read_only_args=list(a) + [_desc(base, lbo, sbo),
-                                                           _desc(base + 2 * (self.t // 8) * 128, lbo, sbo)])
-      for i in range(self.r):
-        d[i] = res[i]
-      cute.arch.inline_ptx("wgmma.commit_group.sync.aligned;", read_only_args=[])
-
-    def _wait_add(self, n: int, acc, d):
-      res = cute.arch.inline_ptx(self.wait_add_text[n], write_only_types=[Float32] * self.r,
-                                 read_only_args=[acc[i] for i in range(self.r)] + [d[i] for i in range(self.r)])
-      for i in range(self.r):
-        acc[i] = res[i]
+      return _wgmma_bf16_block(self.nt, a, _smem_desc(base, lbo, sbo), _smem_desc(base + 2 * lbo, lbo, sbo))
 
     @cute.kernel
     def kern(self, ga: cute.Pointer, gb: cute.Pointer, gs: cute.Pointer, out: cute.Pointer, nblk: Int32):
@@ -130,28 +91,24 @@ if cutlass is not None:  # (the class is defined only where CuTe DSL is: its dec
       lane = tid % 32
       t4 = lane % 4
       row0 = 16 * warp + lane // 4
-      acc = cute.make_rmem_tensor(self.r, Float32)
-      d0 = cute.make_rmem_tensor(self.r, Float32)
-      d1 = cute.make_rmem_tensor(self.r, Float32)
-      for i in cutlass.range_constexpr(self.r):
-        acc[i] = Float32(0.0)
-        d0[i] = Float32(0.0)
-        d1[i] = Float32(0.0)
+      acc = cute.make_rmem_tensor(4 * self.nt, Int32)
+      for i in cutlass.range_constexpr(4 * self.nt):
+        acc[i] = Int32(0)
       for q in range(0, nblk, 4):
-        self._issue(d0, self._decode(sa, ss, q, row0, t4), sb, q)
-        self._issue(d1, self._decode(sa, ss, q + 1, row0, t4), sb, q + 1)
-        self._wait_add(1, acc, d0)
-        self._issue(d0, self._decode(sa, ss, q + 2, row0, t4), sb, q + 2)
-        self._wait_add(1, acc, d1)
-        self._issue(d1, self._decode(sa, ss, q + 3, row0, t4), sb, q + 3)
-        self._wait_add(1, acc, d0)
-        self._wait_add(0, acc, d1)
+        d0 = self._issue(self._decode(sa, ss, q, row0, t4), sb, q)
+        d1 = self._issue(self._decode(sa, ss, q + 1, row0, t4), sb, q + 1)
+        _wgmma_wait_add(self.nt, 1, acc, d0)
+        d0 = self._issue(self._decode(sa, ss, q + 2, row0, t4), sb, q + 2)
+        _wgmma_wait_add(self.nt, 1, acc, d1)
+        d1 = self._issue(self._decode(sa, ss, q + 3, row0, t4), sb, q + 3)
+        _wgmma_wait_add(self.nt, 1, acc, d0)
+        _wgmma_wait_add(self.nt, 0, acc, d1)
       # acc[4 j + 2 h + p]: row row0 + 8 h, token 8 j + 2 t4 + p.
       base = out.toint() + Int64(bid * ROWS * tokens) * 4
       for j in cutlass.range_constexpr(tokens // 8):
         for h in cutlass.range_constexpr(2):
           for p in cutlass.range_constexpr(2):
-            cute.arch.inline_ptx("st.global.f32 [{$r0}], {$r1};",
+            cute.arch.inline_ptx("st.global.b32 [{$r0}], {$r1};",
                                  read_only_args=[base + Int64((row0 + 8 * h) * tokens + 8 * j + 2 * t4 + p) * 4,
                                                  acc[4 * j + 2 * h + p]])
 
