@@ -536,7 +536,8 @@ def test_the_bf16_build_meets_the_cosine_bar(ablation):
   import subprocess
   import sys
   env = dict(os.environ, GCMOE_ABLATION=ablation, PYTHONWARNINGS="ignore::RuntimeWarning")
-  run = subprocess.run([sys.executable, "-c", _BF16_CHECK], env=env, capture_output=True, text=True, timeout=900)
+  run = subprocess.run([sys.executable, "-c", _BF16_CHECK, os.path.dirname(os.path.abspath(__file__))], env=env,
+                       capture_output=True, text=True, timeout=900)
   print(f"GCMOE_ABLATION={ablation}:\n{run.stdout}")
   if run.returncode == 3:
     pytest.skip(run.stdout.strip().splitlines()[-1][:300])
@@ -545,18 +546,19 @@ def test_the_bf16_build_meets_the_cosine_bar(ablation):
 
 _BF16_CHECK = r"""
 import dataclasses, sys
+sys.path.insert(0, sys.argv[1])  # (tests/: this file's `_compare` and `_deal`, conftest's SMALL)
 import jax, jax.numpy as jnp, numpy as np
 import gcmoe_jax as gm
-from gcmoe_jax import reference
-from gcmoe_jax.bench import accuracy, sweep
-from gcmoe_jax.bench.problems import CASE_FAMILIES, Shape, make_problem
+from conftest import SMALL
+from gcmoe_jax.bench import sweep
+from gcmoe_jax.bench.problems import CASE_FAMILIES, make_problem
 from gcmoe_jax.kernels import build
+from test_cuda import _compare, _deal, emulated
 
-emulated = jax.jit(reference.moe_emulated, static_argnames=("clamp",))
-small = Shape(experts=8, hidden=512, intermediate=256, top_k=4, tokens=64, shared_intermediate=None)
+small = dataclasses.replace(SMALL, tokens=64)
 try:
   for k, cap in ((1, 64), (4, 64), (8, 64), (1, 256), (4, 256), (8, 256)):
-    build.load_or_build("sm_90a", build.Variant(512, 256, 8, k, cap))
+    build.load_or_build("sm_90a", build.Variant(small.hidden, small.intermediate, small.experts, k, cap))
   for model, caps in (("glm5.2", (64, 128, 256)), ("dsv4.1-flash", (128, 256))):
     s = sweep.model_shape(model)
     for cap in caps:
@@ -567,24 +569,20 @@ except build.BuildError as e:
 bad = 0
 
 def check(name, x, w, ids, rw, clamp=None, exact_only=False):
+  # (every case runs, so that a failing build shows them all)
   global bad
-  y = np.asarray(gm.moe(x, w, gm.Routes(ids, rw), clamp=clamp, backend="cuda"), np.float32)
-  want = np.asarray(emulated(x, w, ids, rw, clamp=clamp), np.float32)
-  nan_y, nan_w = np.isnan(y), np.isnan(want)
-  same = float(np.mean(y.view(np.uint32) == want.view(np.uint32)))
-  cos = accuracy.cosine(np.where(nan_y, 0, y), np.where(nan_w, 0, want))
-  ok = np.array_equal(nan_y, nan_w) and cos >= 0.9999999 and (same == 1.0 or not exact_only)
-  print(f"{name}: cosine {cos:.10f}, bit-exact share {same:.6f}{'' if ok else '  <-- FAIL'}", flush=True)
-  bad += not ok
-
-def deal(counts, shape):
-  d = [e for e in np.argsort(counts)[::-1] for _ in range(counts[e])]
-  return jnp.asarray(np.array(d, np.int32).reshape(shape.top_k, shape.tokens).T)
+  y = gm.moe(x, w, gm.Routes(ids, rw), clamp=clamp, backend="cuda")
+  try:
+    exact = _compare(name, y, emulated(x, w, ids, rw, clamp=clamp))
+    assert exact == 1.0 or not exact_only, f"{name}: bit-exact share {exact} < 1"
+  except AssertionError as e:
+    print(f"FAIL: {e}", flush=True)
+    bad += 1
 
 for tokens, counts in ((64, (17, 20, 24, 30, 32, 40, 45, 48)), (256, (20, 60, 64, 100, 130, 150, 200, 300))):
   shape = dataclasses.replace(small, tokens=tokens)
   p = make_problem("default", shape, seed=tokens)
-  x, ids = jnp.asarray(p.x, jnp.bfloat16), deal(counts, shape)
+  x, ids = jnp.asarray(p.x, jnp.bfloat16), jnp.asarray(_deal(counts, shape))
   w = gm.quantize_experts(p.w13, p.w2)
   rw = jnp.asarray(np.random.default_rng(tokens).dirichlet(np.ones(shape.top_k), tokens), jnp.float32)
   check(f"rows {counts[0]}-{counts[-1]} T={tokens}", x, w, ids, rw)
