@@ -1,12 +1,13 @@
-"""The k32r pass of `wgmma_bf16.cu` in CuTe DSL: the form role 2's BF16 wide pass would take (docs/kernels_v2.md
-"Session 58"), as a standalone kernel, before it is built into `roles_v2`.
+"""The k32r pass of `wgmma_bf16.cu` in CuTe DSL with role 2's BF16 helpers (`roles_v2._bf16_decode`,
+`_wgmma_bf16_block`, `_wgmma_wait_add`: docs/kernels_v2.md "Session 58", "Session 59"), as a standalone kernel
+whose data sit in SMEM: the BF16 wide pass's rate without its copies, barriers and epilogues.
 
 A warpgroup takes 64 weight rows and T tokens per K32 block: the lane's word t4 of the weights' real payload
 layout (`bf16fold.lane_word`, as role 2's ldmatrix loads give it), decoded by `bf16fold.decode_pair`'s five
 instructions a register, two BF16 `wgmma` m64nTk16 from the activation plane (in `bf16fold.B_PLANE_ORDER`) into one
-of two accumulator sets, whose sum is added to the FP32 accumulator while the next block's wgmma runs. 8 K32 blocks resident in SMEM, cycled.
-What it shows: that CuTe DSL's inline PTX gives ptxas wgmma it does not serialize (the SASS of `build`), and, on the
-GPU, the rate against the CUDA probe's k32r row.
+of two accumulator sets, whose sum is added to the FP32 accumulator while the next block's wgmma runs; 8 K32 blocks
+resident in SMEM, cycled. What it shows: that ptxas does not serialize those wgmma (the SASS of `build`), and, on
+the GPU, the rate against the CUDA probe's k32r row.
 
 CPU: ``python docs/probes/wgmma_bf16_dsl.py build [--tokens 64 32] [--out DIR]`` compiles a cubin per T for sm_90a
 (``DIR/wgmma_bf16_dsl_T<T>.cubin`` and ``.json`` with the entry name; default DIR docs/probes/.dsl) and prints the
