@@ -27,7 +27,7 @@ _ABLATIONS = ("nomath", "nogemm2", "widedecode", "tma", "static", "evenbodies", 
               "l2ahead", "wearly", "wearly1", "wearlyl2", "shallow", "spin", "bar4", "kbany", "kbany1",
               "kbanyeager", "trips", "shfree", "unbiased", "copyaddr",
               "scalelate", "copystep", "copyburst", "copymid", "tmaw", "blocklanes", "blocklanes1", "threecta",
-              "shnodecode", "lanetab", "smempad", "bf16", "bf16one")
+              "shnodecode", "lanetab", "smempad", "int8wide", "bf16one", "bf16two")
 
 
 def _ablation(text: str) -> str:
@@ -187,13 +187,13 @@ VARS = {v.name: v for v in (
                                        "conflicts), results exact, 0-6 % slower at B = 1-16 "
                                        "with the shared expert on the H100 (session 57), for A/B timing; "
                                        "smempad: the shared variants' role 2 with lanetab's 32 KB more SMEM "
-                                       "and the single table, results exact, for A/B timing; bf16: the routed "
-                                       "one-GPU wide passes (17+ rows) on BF16 wgmma with the block scales "
-                                       "folded into the operands, each K32 block summed on its own and added in "
-                                       "FP32 (results within the cosine bar, not bit-exact; a pass with a row "
-                                       "or weight scale outside the fold runs the int8 body again), for A/B "
-                                       "timing; bf16one: bf16 with one block sum in flight per warpgroup "
-                                       "instead of two); "
+                                       "and the single table, results exact, for A/B timing; int8wide: the routed "
+                                       "one-GPU wide passes (17+ rows) on the int8 bodies instead of BF16 wgmma "
+                                       "(the default before session 60; the BF16 passes took 6-34 % off the "
+                                       "latency at B = 64-256 on the H100), for A/B timing; bf16one / bf16two: "
+                                       "the BF16 wide passes with "
+                                       "one / two block sums in flight per warpgroup at every CTA count (by "
+                                       "default two at one CTA per SM, one at two), for A/B timing); "
                                        "part of the cubin key"),
   Var("GCMOE_WAIT_TIMEOUT_MS", _wait_ms, 2000, "bound of every device spin-wait; expiry becomes a Python exception"),
   Var("GCMOE_FIRST_WAIT_TIMEOUT_MS", _wait_ms, 120_000, "bound of the spin-waits of the first call of the fused "

@@ -1,8 +1,8 @@
 """The BF16 wide pass's decode and operand maps (`gcmoe_jax.kernels.bf16fold`), checked on the CPU over every code.
 
-Role 2's `GCMOE_ABLATION=bf16` build runs the pass (docs/kernels_v2.md "Session 59"; its GPU check is
-tests/test_cuda.py's ``bf16_build`` test); these pin down the contract it is built to: every E2M1 code decodes to its
-folded BF16 value, the fragment's K order is a permutation that the activation plane can follow, so a block's dot
+Role 2 runs the pass on sm_90a (`abi.bf16_passes`, docs/kernels_v2.md "Session 59"; its GPU check is
+tests/test_cuda.py's ``bf16_wide_passes`` test); these pin down the contract it is built to: every E2M1 code decodes
+to its folded BF16 value, the fragment's K order is a permutation that the activation plane can follow, so a block's dot
 through the maps is the block's dot, and the stage's B area is wgmma's core-matrix layout.
 """
 

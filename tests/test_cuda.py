@@ -523,15 +523,16 @@ def test_the_kpair_build_matches_the_oracle_bit_for_bit():
   assert run.returncode == 0, run.stdout + run.stderr[-3000:]
 
 
-@pytest.mark.parametrize("ablation", ["bf16", "bf16one"])
-def test_the_bf16_build_meets_the_cosine_bar(ablation):
-  """``GCMOE_ABLATION=bf16`` and ``bf16one`` (docs/kernels_v2.md "Session 59": the routed wide passes on BF16 wgmma
-  with the block scales folded in, each K32 block summed on its own) against the oracle at the numerics bar (cosine
+@pytest.mark.parametrize("ablation", ["", "bf16one", "bf16two"])
+def test_the_bf16_wide_passes_meet_the_cosine_bar(ablation):
+  """The routed wide passes on BF16 wgmma (`abi.bf16_passes`, docs/kernels_v2.md "Session 59": the block scales
+  folded in, each K32 block summed on its own; by default two block sums in flight at one CTA per SM and one at two,
+  ``GCMOE_ABLATION=bf16one`` / ``bf16two`` one / two everywhere) against the oracle at the numerics bar (cosine
   >= 0.9999999, NaN where it has NaN): passes of 17-64 rows at capacity 64 (two CTAs per SM) and 17-300 rows at 256
   (one), a token scaled by 2**50 (its passes' int8 body) and a NaN, every case family at T = 64 and 256, and the
   paper shapes at B = 64-256; and every weight scaled by 2**8 (scale bytes past the fold: each wide pass runs its
   int8 body again), bit for bit. In a process of its own; skipped unless ``GCMOE_CUBIN_DIR`` holds the build's
-  cubins (``GCMOE_ABLATION=bf16 python -m gcmoe_jax build-kernels --variant ...``)."""
+  cubins (``[GCMOE_ABLATION=bf16one] python -m gcmoe_jax build-kernels --variant ...``)."""
   import os
   import subprocess
   import sys

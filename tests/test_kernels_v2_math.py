@@ -525,6 +525,33 @@ def test_role2_pass_width_follows_the_rows_per_expert():
   assert (fused.nt_max, fused.ctas) == (8, 1)
 
 
+def test_role2_runs_the_passes_wider_than_the_split_decode_on_bf16_wgmma_where_the_workspace_has_their_planes(
+    monkeypatch):
+  """`abi.bf16_passes` is one rule for role 2 (`RoleKernelsV2.bf16`) and the workspace (the BF16 planes `xbf`,
+  ``abf``, last): sm_90a, one GPU, a widest pass of more than `SPLIT_DECODE_NT` n-tiles, with or without the shared
+  expert; two block sums in flight at one CTA per SM, one at two. ``GCMOE_ABLATION=int8wide`` turns it off,
+  ``bf16one`` / ``bf16two`` set the block sums everywhere."""
+  from gcmoe_jax.kernels.build import Variant
+  glm = Variant(6144, 2048, 32, 8, 64)
+  want = {glm: True, dataclasses.replace(glm, capacity=32): False, dataclasses.replace(glm, capacity=256): True,
+          dataclasses.replace(glm, shared_intermediate=2048, shared_group=128): True,
+          Variant(5120, 2304, 48, 6, 64): False, Variant(5120, 2304, 48, 6, 128): True,
+          dataclasses.replace(glm, ranks=2): False, Variant(512, 256, 8, 1, 256): True,
+          Variant(512, 256, 8, 1, 16): False}
+  for v, on in want.items():
+    kern, ws = r2.RoleKernelsV2(v), v.workspace("v2")
+    assert kern.bf16 == on == abi.bf16_passes(v.capacity, v.top_k, v.experts, v.ranks), v
+    assert (kern.nt_max > r2.SPLIT_DECODE_NT or not on) and not r2.RoleKernelsV2(v, "sm_120a").bf16
+    assert ws.total - ws.xbf == (2 * v.capacity * (v.hidden + v.top_k * v.intermediate) if on else 0), v
+    if on:
+      assert ws.abf - ws.xbf == 2 * v.capacity * v.hidden and kern.bf16_sets == (2 if kern.ctas == 1 else 1), v
+  for ablation, sets in (("int8wide", None), ("bf16one", 1), ("bf16two", 2)):
+    monkeypatch.setenv("GCMOE_ABLATION", ablation)
+    for v in (glm, dataclasses.replace(glm, capacity=256)):
+      kern, ws = r2.RoleKernelsV2(v), v.workspace("v2")
+      assert (kern.bf16_sets if kern.bf16 else None) == sets and (ws.total > ws.xbf) == (sets is not None), v
+
+
 def _kpair_order(n_tiles: int, per_bar: int) -> list[int]:
   """The K128 tiles in the order warps 0-3 of a `kpair` pass add their blocks (`_cpasync_mainloop`): after each
   barrier the other half's tiles of the step before (`_kpair_add`), then their own; after the loop the last step's."""

@@ -29,8 +29,8 @@ import dataclasses
 
 from gcmoe_jax import geometry
 
-__all__ = ["HEADER", "PARAMS", "Workspace", "active_queue", "arrivals", "counter_words", "fused_counters",
-           "item_order", "pull_cache", "queue_counter", "relay_counters", "role2_done", "scan_tokens",
+__all__ = ["HEADER", "PARAMS", "Workspace", "active_queue", "arrivals", "bf16_passes", "counter_words",
+           "fused_counters", "item_order", "pull_cache", "queue_counter", "relay_counters", "role2_done", "scan_tokens",
            "solo_ctas", "combine_blocks", "workspace_layout", "SILU_TABLE_ENTRIES"]
 
 # Kernel parameter names, in order: 13 pointers, then T (int32) and clamp (float32).
@@ -251,10 +251,10 @@ class Workspace:
   # store): low word the call's epoch tag, high word 1 where one of its blocks sent its row to the slow path.
   # Epoch-tagged, so nothing is reset between calls.
   g1tags: int  # u64 [E, 2I / 128]
-  # The BF16 wide passes (``bf16``, one GPU; `GCMOE_ABLATION=bf16`, docs/kernels_v2.md "Session 59"): x and the
-  # requantized SwiGLU output once more, each K32 block as its 32 MXFP8 values with the block scale folded in
-  # (``q 2**e``, exact in BF16), stored in the wgmma fragment's K order (`bf16fold.B_PLANE_ORDER`). Written beside
-  # the digit planes by the same writers (`roles_v2.RoleKernelsV2._quantize_lane`); 0 bytes otherwise.
+  # The BF16 wide passes (`bf16_passes`; docs/kernels_v2.md "Session 59"): x and the requantized SwiGLU output
+  # once more, each K32 block as its 32 MXFP8 values with the block scale folded in (``q 2**e``, exact in BF16),
+  # stored in the wgmma fragment's K order (`bf16fold.B_PLANE_ORDER`). Written beside the digit planes by the same
+  # writers (`roles_v2.RoleKernelsV2._quantize_lane`); 0 bytes otherwise.
   xbf: int  # bf16 [capacity, H / 32, 32]
   abf: int  # bf16 [capacity * k, I / 32, 32]
   total: int  # bytes
@@ -316,6 +316,9 @@ SHARED_FIRST_TOKENS = 32
 PASS_TIERS = ((8, 2, 2), (32, 4, 2))
 ROUTED_NT_MAX = 8
 SMALL_CAPACITY = 32  # the rule before session 27 (and sm_120a's): two CTAs per SM up to this token capacity
+# Passes of up to this many n-tiles decode each weight code into two int8 operands (`roles_v2._stage`, the split
+# decode); wider ones run on BF16 wgmma on sm_90a (`bf16_passes`).
+SPLIT_DECODE_NT = 2
 
 
 def pass_tier(capacity: int, top_k: int, experts: int, ablation: str = "", *,
@@ -330,6 +333,17 @@ def pass_tier(capacity: int, top_k: int, experts: int, ablation: str = "", *,
     if r <= rows:
       return nt, ctas
   return ROUTED_NT_MAX, 1
+
+
+def bf16_passes(capacity: int, top_k: int, experts: int, ranks: int = 1, ablation: str = "",
+                arch: str = "sm_90a") -> bool:
+  """Whether role 2 of a variant runs its routed passes wider than `SPLIT_DECODE_NT` n-tiles on BF16 ``wgmma``
+  with the block scales folded into the operands (docs/kernels_v2.md "Session 59"; the default since session 60,
+  6-34 % less latency at B = 64-256 on the H100): sm_90a, one GPU, the cp.async producer, unless ``ablation`` is
+  ``int8wide`` (the int8 bodies, for A/B timing). Its workspace then holds the BF16 planes (`Workspace.xbf`,
+  ``abf``; the layout is one per variant, so an sm_120a run allocates them unused)."""
+  return (arch.startswith("sm_90") and ranks == 1 and ablation not in ("int8wide", "tma", "threecta")
+          and pass_tier(capacity, top_k, experts, ablation)[0] > SPLIT_DECODE_NT)
 
 
 def item_order(capacity: int, ablation: str = "") -> tuple[str, ...]:

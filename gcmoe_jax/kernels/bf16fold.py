@@ -28,8 +28,8 @@ bit 15, and one ``mul.rn.bf16x2`` by ``2**(120 + ew)`` (`fold_scale_e4m3`, ``ew 
 weight: 6 instructions per register, and the same `B_PLANE_ORDER`, so the routed GEMM1's activation plane serves the
 shared expert's too. (E4M3 NaN codes decode to finite values: weights are finite by construction, `formats`.)
 
-Role 2's `GCMOE_ABLATION=bf16` build imports these constants (`roles_v2._bf16_decode`, `_fold_mult`), so this file
-is one of `build._KERNEL_SOURCES` (the cubins' key).
+Role 2's sm_90a build imports these constants (`roles_v2._bf16_decode`, `_fold_mult`), so this file is one of
+`build._KERNEL_SOURCES` (the cubins' key).
 """
 
 from __future__ import annotations

@@ -82,11 +82,15 @@ _WIDE_SPILL_BUDGET = {2: 160}
 # transport's state and the shared expert's: 52 B at the small shape (since session 45 at least; found in session 48,
 # when `--preset fused` stopped at it), none of it reloaded in an innermost loop (docs/probes/sass_loops.py).
 _FUSED_SHARED_SPILL_BUDGET = {2: 64}
+# One CTA per SM (255 registers) with the BF16 wide passes (`abi.bf16_passes`): the small shape's shared variants at
+# capacity 256 spill 12 B (session 60; with one block sum in flight 64-72 B), reloaded in none of the kernel's loops
+# (docs/probes/sass_loops.py: no local access in any innermost loop or MMA loop); every other one-CTA build none.
+_BF16_ONE_CTA_SPILL_BUDGET = {2: 16}
 # A `GCMOE_ABLATION` build (timing or diagnostic, never loaded by a normal run: the ablation is in its key) may spill
 # more, at one CTA per SM too: the timeline's stamps cost the shared-expert two-CTA role 2 ~100 B, an ablation's
 # changed code a stack slot (`twoplane`'s one-CTA shared variant 8 B since session 23; its meta.json and the build
-# report still record the spills), `bf16`'s BF16 wide passes beside the int8 ones they fall back to 224 B at the
-# small shape's capacity 64 (the paper shapes' 136-144 B, as their normal builds').
+# report still record the spills), `bf16two`'s two BF16 block sums in flight at two CTAs per SM 236 B at the small
+# shape's capacity 64 (the paper shapes' 148-164 B; by default one there, 92-136 B).
 _ABLATION_SPILL_BUDGET = {2: 256}
 # The stack frame ptxas gives an sm_120a kernel that issues TMA through a by-value TensorMap, without spilling (nvcc's
 # own __grid_constant__ CUtensorMap kernels show it too; sm_90a has none).
@@ -194,7 +198,9 @@ class Variant:
     v2 = (kernels or generation()) == "v2"
     return abi.workspace_layout(self.experts, self.capacity, self.top_k, self.hidden, self.shared,
                                 self.intermediate if v2 else 0, (self.shared_intermediate or 0) if v2 else 0,
-                                self.ranks if v2 else 1, self.relay and v2, bf16=v2 and bf16_passes())
+                                self.ranks if v2 else 1, self.relay and v2,
+                                bf16=v2 and abi.bf16_passes(self.capacity, self.top_k, self.experts, self.ranks,
+                                                            _config.kernel_ablation()))
 
   def to_dict(self) -> dict[str, int | None]:
     return dataclasses.asdict(self)
@@ -255,12 +261,6 @@ def dsl_versions() -> dict[str, str]:
 def generation() -> str:
   """The role-kernel generation in use: ``GCMOE_KERNELS`` (v2 by default, v1 the SIMT reference kernels)."""
   return _config.get("GCMOE_KERNELS")
-
-
-def bf16_passes() -> bool:
-  """Whether role 2's wide passes run on BF16 ``wgmma`` (`GCMOE_ABLATION=bf16`, docs/kernels_v2.md "Session 59"):
-  the one-GPU v2 workspace then holds the BF16 planes (`abi.Workspace.xbf`, ``abf``)."""
-  return _config.kernel_ablation() in ("bf16", "bf16one")
 
 
 def source_sha256() -> str:
@@ -370,7 +370,7 @@ def cubin_resources(cubin: bytes, entry: str) -> dict[str, int]:
 
 
 def _check_role(role: int, variant: Variant, arch: str, entry: dict[str, Any], res: dict[str, int],
-                ctas: int = 1, maps: int = 0, pass_tiles: int = 2) -> None:
+                ctas: int = 1, maps: int = 0, pass_tiles: int = 2, bf16: bool = False) -> None:
   from gcmoe_jax.kernels import roles_v1
 
   where = f"role {role} ({ROLE_TITLES[role - 1]}) of {variant.key} for {arch}"
@@ -390,11 +390,12 @@ def _check_role(role: int, variant: Variant, arch: str, entry: dict[str, Any], r
   budgets = _SPILL_BUDGET if pass_tiles <= 2 else _WIDE_SPILL_BUDGET  # (n-tiles of role 2's widest pass)
   if variant.ranks > 1 and variant.shared_intermediate and pass_tiles <= 2:
     budgets = _FUSED_SHARED_SPILL_BUDGET
-  budget = _ABLATION_SPILL_BUDGET.get(role, 0) if ablation else budgets.get(role, 0) if ctas > 1 else 0
+  one_cta = _BF16_ONE_CTA_SPILL_BUDGET.get(role, 0) if bf16 else 0
+  budget = _ABLATION_SPILL_BUDGET.get(role, 0) if ablation else budgets.get(role, 0) if ctas > 1 else one_cta
   if spills > budget:
     raise BuildError(f"build: {where}: the kernel spills {spills} B of registers to local memory with "
-                     f"{res['registers']} registers; the kernels must not spill (two-CTA role 2: at most "
-                     f"{budget} B{' in an ablation build' if ablation else ''})")
+                     f"{res['registers']} registers; the kernels must not spill (role {role} at {ctas} CTA(s) per "
+                     f"SM: at most {budget} B{' in an ablation build' if ablation else ''})")
   frame = spill_frame(spills) + (_TENSORMAP_FRAME if maps and arch.startswith("sm_12") else 0)
   if ablation and ctas > 1:
     frame = max(frame + 8, _SPILL_BUDGET.get(role, 0))  # a timing or diagnostic build may take a stack slot
@@ -487,6 +488,7 @@ def _compile_roles(arch: str, variant: Variant, out: pathlib.Path) -> list[dict[
     try:
       features = ptx_pipeline.role2_features(gen + ("+tma" if ablation == "tma" else ""), arch,
                                              compact=getattr(kernels, "compact", True))
+      features += (ptx_pipeline.WGMMA_BF16,) if getattr(kernels, "bf16", False) else ()
       ptx_pipeline.validate(ptx, role=r, arch=arch, features=features if ablation in ("", "tma") else (),
                             param_types=ptx_pipeline.param_types(gen, r))
     except ptx_pipeline.PtxError as err:
@@ -494,7 +496,8 @@ def _compile_roles(arch: str, variant: Variant, out: pathlib.Path) -> list[dict[
     res = cubin_resources(cubin, entry["name"])
     # Spills as ptxas reported them where we assembled; else the whole stack frame counts as spills.
     res["spill_bytes"] = report.get("spill_stores", res["local_bytes"])
-    _check_role(r, variant, arch, entry, res, ctas, len(maps), getattr(kernels, "nt_max", 2))
+    _check_role(r, variant, arch, entry, res, ctas, len(maps), getattr(kernels, "nt_max", 2),
+                getattr(kernels, "bf16", False))
     entries.append({
       "role": r,
       "title": ROLE_TITLES[r - 1],

@@ -20,9 +20,9 @@ from pathlib import Path
 from gcmoe_jax import geometry
 from gcmoe_jax.kernels import abi
 
-__all__ = ["PtxError", "PTX_ISA_OF_RELEASE", "ROLE2_FEATURES", "TMA", "TENSORMAP_BYTES", "assemble", "ptxas_release",
-           "role2_features", "rewrite_max_registers", "rewrite_min_ctas", "rewrite_tensormaps_by_value",
-           "rewrite_version", "validate"]
+__all__ = ["PtxError", "PTX_ISA_OF_RELEASE", "ROLE2_FEATURES", "TMA", "TENSORMAP_BYTES", "WGMMA_BF16", "assemble",
+           "ptxas_release", "role2_features", "rewrite_max_registers", "rewrite_min_ctas",
+           "rewrite_tensormaps_by_value", "rewrite_version", "validate"]
 
 # The PTX ISA version each CUDA release's ptxas accepts at most (PTX ISA release notes).
 PTX_ISA_OF_RELEASE = {
@@ -43,6 +43,8 @@ LDSM_EXPANDED = "ldmatrix.sync.aligned.m8n16.x4.shared.b8x16.b4x16_p64"
 _CPASYNC_PIPELINE = ("cp.async.cg.shared.global",)
 _INT8_MMA = "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"
 _QMMA = "mma.sync.aligned.kind::mxf8f6f4.block_scale.scale_vec::1X.m16n8k32.row.col.f32.e2m1.e4m3.f32.ue8m0"
+# The BF16 wide passes' MMA (`abi.bf16_passes`; any n-tile count), a feature of the sm_90a builds that have them.
+WGMMA_BF16 = "k16.f32.bf16.bf16"
 ROLE2_FEATURES = {
   ("v2", "sm_90a"): (_INT8_MMA, *_CPASYNC_PIPELINE),
   ("v2+tma", "sm_90a"): (_INT8_MMA, *_TMA_PIPELINE),

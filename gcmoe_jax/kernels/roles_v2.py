@@ -180,7 +180,7 @@ SIGN_SELECT = 0x0000FF00  # prmt table whose byte 1 is 0xFF: a selector nibble o
 # mode, which turns these table bytes, all below 0x80, into 0), N = -|2 w| (one prmt on the magnitudes); P and N
 # each take an MMA into the same int32 accumulator, so D is unchanged and exact.
 POS2_LO, POS2_HI = 0x06040200, 0x18100C08
-SPLIT_DECODE_NT = 2
+SPLIT_DECODE_NT = abi.SPLIT_DECODE_NT
 PAIRED_BARRIER_NT = 2  # passes of at most this many n-tiles meet at a CTA barrier every two K128 stages
 # Under `GCMOE_ABLATION=kpair` (`RoleKernelsV2.kpair`) calls of up to this many tokens, whose experts all hold at most
 # this many rows, take their routed GEMM2 items in 64 rows with K split between warp pairs (docs/kernels_v2.md "Item
@@ -720,7 +720,7 @@ def _split_fragments(words, s: int, tabs):
   return (tuple(_prmt(tabs[0], POS2_HI, w) for w in w4), tuple(_prmt(tabs[1], NEG_HI, w & 0x7777) for w in w4))
 
 
-# ---- the BF16 wide pass (`GCMOE_ABLATION=bf16`, docs/kernels_v2.md "Session 59") -------------------------------
+# ---- the BF16 wide pass (`abi.bf16_passes`, docs/kernels_v2.md "Session 59") ------------------------------------
 # A K32 block's weights decoded to BF16 with the block scale folded in (`bf16fold.decode_pair`), the activations'
 # BF16 plane (`abi.Workspace.xbf`) in the fragment's K order, two BF16 wgmma m64nNk16 per block from zero, the
 # block's sum added to the FP32 accumulator in K order. The B area of a stage holds, per K32 block, wgmma's
@@ -1130,13 +1130,16 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # (`_sh_tiles`) start at a constant instead of at the ends of Shh's and Sll's, so each n-tile's MMAs form chains
     # of at most two instead of four (the same instructions in number; the same int32 sums mod 2**32).
     self.sh_free = self.ablation == "shfree"
-    # `GCMOE_ABLATION=bf16` (docs/kernels_v2.md "Session 59"): the routed one-GPU passes wider than the split decode
-    # (`SPLIT_DECODE_NT`) on BF16 wgmma (`_stage_bf16`), their B from the BF16 planes (`abi.Workspace.xbf`, ``abf``).
-    self.bf16 = (self.ablation in ("bf16", "bf16one") and not self.qmma and not self.fused and not self.tma
-                 and self.nt_max > SPLIT_DECODE_NT)
-    # Block sums in flight per warpgroup: two (block s + 1's wgmma runs while block s's sum is added), or one
-    # (`GCMOE_ABLATION=bf16one`: each block's wgmma waited for before the next block's decode; fewer registers).
-    self.bf16_sets = 1 if self.ablation == "bf16one" else 2
+    # The routed one-GPU passes wider than the split decode (`SPLIT_DECODE_NT`) on BF16 wgmma (`_stage_bf16`), their
+    # B from the BF16 planes (`abi.Workspace.xbf`, ``abf``): `abi.bf16_passes` (docs/kernels_v2.md "Session 59";
+    # `GCMOE_ABLATION=int8wide`: the int8 bodies).
+    self.bf16 = abi.bf16_passes(v.capacity, v.top_k, v.experts, v.ranks, self.ablation, arch)
+    assert not self.bf16 or (self.nt_max > SPLIT_DECODE_NT and not self.qmma and not self.fused and not self.tma)
+    # Block sums in flight per warpgroup: at one CTA per SM two (block s + 1's wgmma runs while block s's sum is
+    # added; no spills at 255 registers, where one spilled 28 B); at two one (each block's wgmma waited for before
+    # the next block's decode: at 128 registers two spilled 148-236 B, one 92-136 B, within the two-CTA budget).
+    # Equal within 2 % on the H100 at B = 64-256 (session 60). `GCMOE_ABLATION=bf16one` / ``bf16two`` force one.
+    self.bf16_sets = {"bf16one": 1, "bf16two": 2}.get(self.ablation, 2 if self.ctas == 1 else 1)
     # `GCMOE_ABLATION=kbany` (timing, results exact): a routed GEMM2 item of one or two rows waits per K128 block for
     # the two GEMM1 items producing it, one of one row taking its stages in the order they become ready
     # (`_any_mainloop`), in the one-rank routed variants of up to 8 tokens (the one-row body; the cp.async producer;
