@@ -602,16 +602,36 @@ def test_the_twoplane_ablation_has_four_mmas_per_block_in_wide_passes(cache, mon
   """GCMOE_ABLATION=twoplane (timing only: the instruction mix of two FP16 digit planes, docs/kernels_v2.md) gives
   the passes of more than two n-tiles 4 int8 MMAs per block instead of 3 and one FMA instead of the magic-number
   conversions, under its own key; the capacity-256 shared-expert variant has 8-tile passes (at most a stack slot
-  spilled in the role 2 of 255 registers: 8 B since session 23, against none in the normal build)."""
+  spilled in the role 2 of 255 registers: 8 B since session 23, 12 B beside session 60's BF16 wide passes; the
+  normal build, whose wide passes run on BF16 wgmma since then with the int8 bodies kept for the fallbacks, at most
+  `build._BF16_ONE_CTA_SPILL_BUDGET`, the `int8wide` one none)."""
   normal = build.compile_variant("sm_90a", WIDE_SHARED, cache_dir=cache)
   monkeypatch.setenv("GCMOE_ABLATION", "twoplane")
   meta = build.compile_variant("sm_90a", WIDE_SHARED, cache_dir=cache)
   assert "+twoplane-" in meta["key"]
   mmas = [_ptx(m, 2).count("mma.sync.aligned.m16n8k32") for m in (normal, meta)]
   assert mmas[1] > mmas[0], mmas
-  assert all(r["spill_bytes"] == 0 for r in normal["roles"])
-  assert meta["roles"][1]["spill_bytes"] <= 8
+  assert normal["roles"][1]["spill_bytes"] <= build._BF16_ONE_CTA_SPILL_BUDGET[2]
+  assert normal["roles"][0]["spill_bytes"] == normal["roles"][2]["spill_bytes"] == 0
+  assert meta["roles"][1]["spill_bytes"] <= build._BF16_ONE_CTA_SPILL_BUDGET[2]
   assert meta["roles"][0]["spill_bytes"] == meta["roles"][2]["spill_bytes"] == 0
+
+
+@needs_dsl
+@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
+def test_the_wide_passes_build_on_bf16_wgmma_unless_int8wide(cache, monkeypatch):
+  """Role 2's passes of more than two n-tiles run on BF16 wgmma by default (`abi.bf16_passes`; the §5.1 validation
+  requires it, `ptx.WGMMA_BF16`), their workspace holding the BF16 planes; ``GCMOE_ABLATION=int8wide`` builds the
+  int8 bodies alone, without wgmma, spills or planes."""
+  from gcmoe_jax.kernels import ptx
+  normal = build.compile_variant("sm_90a", WIDE_SHARED, cache_dir=cache)
+  monkeypatch.setenv("GCMOE_ABLATION", "int8wide")
+  int8 = build.compile_variant("sm_90a", WIDE_SHARED, cache_dir=cache)
+  assert "+int8wide-" in int8["key"]
+  assert ptx.WGMMA_BF16 in _ptx(normal, 2) and "wgmma" not in _ptx(int8, 2)
+  assert normal["workspace"]["total"] > normal["workspace"]["xbf"] and int8["workspace"]["total"] == int8[
+    "workspace"]["xbf"]
+  assert all(r["spill_bytes"] == 0 for r in int8["roles"])
 
 
 @needs_dsl
