@@ -191,9 +191,9 @@ VARS = {v.name: v for v in (
                                        "one-GPU wide passes (17+ rows) on the int8 bodies instead of BF16 wgmma "
                                        "(the default before session 60; the BF16 passes took 6-34 % off the "
                                        "latency at B = 64-256 on the H100), for A/B timing; bf16one / bf16two: "
-                                       "the BF16 wide passes with "
-                                       "one / two block sums in flight per warpgroup at every CTA count (by "
-                                       "default two at one CTA per SM, one at two), for A/B timing); "
+                                       "the BF16 wide passes with one / two block sums in flight per warpgroup "
+                                       "at every CTA count (by default two at one CTA per SM, one at two), for "
+                                       "A/B timing); "
                                        "part of the cubin key"),
   Var("GCMOE_WAIT_TIMEOUT_MS", _wait_ms, 2000, "bound of every device spin-wait; expiry becomes a Python exception"),
   Var("GCMOE_FIRST_WAIT_TIMEOUT_MS", _wait_ms, 120_000, "bound of the spin-waits of the first call of the fused "
