@@ -629,8 +629,8 @@ def test_the_wide_passes_build_on_bf16_wgmma_unless_int8wide(cache, monkeypatch)
   int8 = build.compile_variant("sm_90a", WIDE_SHARED, cache_dir=cache)
   assert "+int8wide-" in int8["key"]
   assert ptx.WGMMA_BF16 in _ptx(normal, 2) and "wgmma" not in _ptx(int8, 2)
-  assert normal["workspace"]["total"] > normal["workspace"]["xbf"] and int8["workspace"]["total"] == int8[
-    "workspace"]["xbf"]
+  ws, ws_int8 = normal["workspace"], int8["workspace"]
+  assert ws["total"] > ws["xbf"] and ws_int8["total"] == ws_int8["xbf"]
   assert all(r["spill_bytes"] == 0 for r in int8["roles"])
 
 

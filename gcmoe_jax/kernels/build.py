@@ -460,6 +460,7 @@ def _compile_roles(arch: str, variant: Variant, out: pathlib.Path) -> list[dict[
     cubin = (out / cubin_name).read_bytes()
     entry = parse_ptx_entry(ptx)
     ctas = kernels.ctas_per_sm(r)
+    bf16 = getattr(kernels, "bf16", False)  # (the BF16 wide passes: a required feature, a spill budget)
     directive = _finalize_ctas(arch, variant) if r == 3 and gen == "v2" else ctas
     ablation = _config.get("GCMOE_ABLATION")  # a timing build leaves instructions out or changes them on purpose
     if maps:
@@ -488,7 +489,7 @@ def _compile_roles(arch: str, variant: Variant, out: pathlib.Path) -> list[dict[
     try:
       features = ptx_pipeline.role2_features(gen + ("+tma" if ablation == "tma" else ""), arch,
                                              compact=getattr(kernels, "compact", True))
-      features += (ptx_pipeline.WGMMA_BF16,) if getattr(kernels, "bf16", False) else ()
+      features += (ptx_pipeline.WGMMA_BF16,) if bf16 else ()
       ptx_pipeline.validate(ptx, role=r, arch=arch, features=features if ablation in ("", "tma") else (),
                             param_types=ptx_pipeline.param_types(gen, r))
     except ptx_pipeline.PtxError as err:
@@ -496,8 +497,7 @@ def _compile_roles(arch: str, variant: Variant, out: pathlib.Path) -> list[dict[
     res = cubin_resources(cubin, entry["name"])
     # Spills as ptxas reported them where we assembled; else the whole stack frame counts as spills.
     res["spill_bytes"] = report.get("spill_stores", res["local_bytes"])
-    _check_role(r, variant, arch, entry, res, ctas, len(maps), getattr(kernels, "nt_max", 2),
-                getattr(kernels, "bf16", False))
+    _check_role(r, variant, arch, entry, res, ctas, len(maps), getattr(kernels, "nt_max", 2), bf16)
     entries.append({
       "role": r,
       "title": ROLE_TITLES[r - 1],
