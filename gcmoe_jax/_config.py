@@ -27,7 +27,7 @@ _ABLATIONS = ("nomath", "nogemm2", "widedecode", "tma", "static", "evenbodies", 
               "l2ahead", "wearly", "wearly1", "wearlyl2", "shallow", "spin", "bar4", "kbany", "kbany1",
               "kbanyeager", "trips", "shfree", "unbiased", "copyaddr",
               "scalelate", "copystep", "copyburst", "copymid", "tmaw", "blocklanes", "blocklanes1", "threecta",
-              "shnodecode", "lanetab", "smempad", "int8wide", "bf16one", "bf16two")
+              "shnodecode", "lanetab", "smempad", "int8wide", "bf16one", "bf16two", "shbf16")
 
 
 def _ablation(text: str) -> str:
@@ -193,7 +193,9 @@ VARS = {v.name: v for v in (
                                        "latency at B = 64-256 on the H100), for A/B timing; bf16one / bf16two: "
                                        "the BF16 wide passes with one / two block sums in flight per warpgroup "
                                        "at every CTA count (by default two at one CTA per SM, one at two), for "
-                                       "A/B timing); "
+                                       "A/B timing; shbf16: the shared expert's token groups of 8 and 16 on "
+                                       "BF16 wgmma (the weight scale applied to each block's sum; within the "
+                                       "numerics bar, not bit-exact), for A/B timing); "
                                        "part of the cubin key"),
   Var("GCMOE_WAIT_TIMEOUT_MS", _wait_ms, 2000, "bound of every device spin-wait; expiry becomes a Python exception"),
   Var("GCMOE_FIRST_WAIT_TIMEOUT_MS", _wait_ms, 120_000, "bound of the spin-waits of the first call of the fused "

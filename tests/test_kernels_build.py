@@ -636,6 +636,30 @@ def test_the_wide_passes_build_on_bf16_wgmma_unless_int8wide(cache, monkeypatch)
 
 @needs_dsl
 @pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
+def test_the_shared_experts_groups_build_on_bf16_wgmma_under_shbf16(cache, monkeypatch):
+  """``GCMOE_ABLATION=shbf16`` (`abi.shared_bf16`): the shared expert's groups of 8 tokens (two CTAs per SM) on
+  wgmma m64n8k16 and of 16 (one) on m64n16k16, which no routed pass uses (theirs are wider than 2 n-tiles), the
+  workspace holding ``xbf`` (also where no routed pass is wide), ``sabf`` and ``saflag``; none of it by default."""
+  narrow = build.compile_variant("sm_90a", SMALL_SHARED, cache_dir=cache)
+  wide = build.compile_variant("sm_90a", WIDE_SHARED, cache_dir=cache)
+  monkeypatch.setenv("GCMOE_ABLATION", "shbf16")
+  narrow_bf, wide_bf = (build.compile_variant("sm_90a", v, cache_dir=cache) for v in (SMALL_SHARED, WIDE_SHARED))
+  assert "+shbf16-" in narrow_bf["key"]
+  n8, n16 = ("wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16",
+             "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16")
+  assert n8 in _ptx(narrow_bf, 2) and "wgmma" not in _ptx(narrow, 2)
+  assert n16 in _ptx(wide_bf, 2) and n16 not in _ptx(wide, 2)
+  for meta, v in ((narrow_bf, SMALL_SHARED), (wide_bf, WIDE_SHARED)):
+    ws = meta["workspace"]
+    assert ws["sabf"] - ws["xbf"] >= 2 * v.capacity * v.hidden, ws
+    assert ws["saflag"] - ws["sabf"] >= 2 * v.capacity * v.shared_intermediate, ws
+    assert ws["total"] - ws["saflag"] >= 4 * v.capacity, ws
+  assert narrow["workspace"]["total"] == narrow["workspace"]["xbf"]
+  assert wide["workspace"]["total"] == wide["workspace"]["sabf"]
+
+
+@needs_dsl
+@pytest.mark.skipif(build.generation() != "v2", reason="GCMOE_KERNELS=v1")
 def test_narrow_passes_of_routed_variants_meet_at_a_barrier_every_two_stages(built, cache, monkeypatch):
   """The one-rank variants' narrow passes, with or without the shared expert, wait for two K128 stages per CTA
   barrier (`cp.async.wait_group` two stages lower than with a barrier per stage, `GCMOE_ABLATION=stagebar`)."""

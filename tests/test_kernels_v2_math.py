@@ -552,6 +552,29 @@ def test_role2_runs_the_passes_wider_than_the_split_decode_on_bf16_wgmma_where_t
       assert (kern.bf16_sets if kern.bf16 else None) == sets and (ws.total > ws.xbf) == (sets is not None), v
 
 
+def test_role2_runs_the_shared_experts_groups_on_bf16_wgmma_where_the_workspace_has_their_planes(monkeypatch):
+  """`abi.shared_bf16` is one rule for role 2 (`RoleKernelsV2.sh_bf16`) and the workspace (``xbf``, GEMM1's B, also
+  where no routed pass is wide; ``sabf`` and ``saflag``, GEMM2's, last): with a shared expert, sm_90a, one GPU,
+  under ``GCMOE_ABLATION=shbf16`` (off by default)."""
+  from gcmoe_jax.kernels.build import Variant
+  glm = Variant(6144, 2048, 32, 8, 32, 2048, 128)  # capacity 32: no routed BF16 pass
+  cases = {glm: True, dataclasses.replace(glm, capacity=256): True, Variant(6144, 2048, 32, 8, 32): False,
+           dataclasses.replace(glm, ranks=2): False, Variant(512, 256, 8, 4, 16, 256, 32): True}
+  for ablation in ("", "shbf16"):
+    monkeypatch.setenv("GCMOE_ABLATION", ablation)
+    for v, on in cases.items():
+      on = on and ablation == "shbf16"
+      kern, ws = r2.RoleKernelsV2(v), v.workspace("v2")
+      assert kern.sh_bf16 == on == abi.shared_bf16(v.shared, v.ranks, ablation), v
+      assert not r2.RoleKernelsV2(v, "sm_120a").sh_bf16
+      if on:
+        assert ws.abf - ws.xbf == 2 * v.capacity * v.hidden or kern.bf16, v
+        assert ws.saflag - ws.sabf == 2 * v.capacity * v.shared_intermediate, v
+        assert 4 * v.capacity <= ws.total - ws.saflag < 4 * v.capacity + 256, v
+      else:
+        assert ws.total == ws.sabf, v
+
+
 def _kpair_order(n_tiles: int, per_bar: int) -> list[int]:
   """The K128 tiles in the order warps 0-3 of a `kpair` pass add their blocks (`_cpasync_mainloop`): after each
   barrier the other half's tiles of the step before (`_kpair_add`), then their own; after the loop the last step's."""

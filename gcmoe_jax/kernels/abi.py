@@ -257,6 +257,12 @@ class Workspace:
   # writers (`roles_v2.RoleKernelsV2._quantize_lane`); 0 bytes otherwise.
   xbf: int  # bf16 [capacity, H / 32, 32]
   abf: int  # bf16 [capacity * k, I / 32, 32]
+  # The shared expert's token groups on BF16 wgmma (`shared_bf16`; docs/kernels_v2.md "Session 61"): its GEMM2's
+  # operand, the requantized SwiGLU output, as BF16 planes like ``abf`` (its GEMM1 reads ``xbf``), and a flag per
+  # token tagged with the call's epoch where one of its blocks is NaN or has an exponent outside `FAST_EXP` (its
+  # groups then take the digit MMAs). 0 bytes otherwise.
+  sabf: int  # bf16 [capacity, Is / 32, 32]
+  saflag: int  # i32 [capacity]
   total: int  # bytes
 
   def as_attrs(self) -> dict[str, int]:
@@ -346,6 +352,14 @@ def bf16_passes(capacity: int, top_k: int, experts: int, ranks: int = 1, ablatio
           and pass_tier(capacity, top_k, experts, ablation)[0] > SPLIT_DECODE_NT)
 
 
+def shared_bf16(shared: bool, ranks: int = 1, ablation: str = "", arch: str = "sm_90a") -> bool:
+  """Whether role 2 of a variant runs the shared expert's token groups of 8 or 16 on BF16 ``wgmma``
+  (docs/kernels_v2.md "Session 61"): with a shared expert, sm_90a, one GPU, the cp.async producer, behind
+  ``GCMOE_ABLATION=shbf16`` until measured. Its workspace then holds ``xbf`` (GEMM1's B), ``sabf`` and ``saflag``
+  (GEMM2's)."""
+  return shared and arch.startswith("sm_90") and ranks == 1 and ablation == "shbf16"
+
+
 def item_order(capacity: int, ablation: str = "") -> tuple[str, ...]:
   """The queue's item kinds in claim order in a variant of token capacity ``capacity``, for a build of
   ``GCMOE_ABLATION=ablation``."""
@@ -388,13 +402,14 @@ def fused_counters(experts: int, capacity: int, shared: bool) -> tuple[int, int]
 
 def workspace_layout(experts: int, capacity: int, top_k: int, hidden: int, shared: bool,
                      intermediate: int = 0, shared_intermediate: int = 0, ranks: int = 1,
-                     relay: bool = False, bf16: bool = False) -> Workspace:
+                     relay: bool = False, bf16: bool = False, shared_bf16: bool = False) -> Workspace:
   """The workspace layout of a variant: sections in a fixed order, each 256-byte aligned.
 
   ``intermediate`` (I) sizes the v2 sections; 0 leaves them empty (the v1 kernels do not use them).
   ``shared_intermediate`` (Is) sizes the v2 shared-expert sections (0: none). ``ranks`` (R, v2 only) > 1 adds the
   fused transport's sections and sizes the receive side for R C tokens. ``bf16`` (one GPU, v2) adds the BF16
-  planes of the BF16 wide passes (``xbf``, ``abf``), last, so that no other section moves.
+  planes of the BF16 wide passes (``xbf``, ``abf``), last, so that no other section moves; ``shared_bf16`` (one GPU,
+  v2, a shared expert: `shared_bf16`) ``xbf`` and the shared expert's ``sabf``, ``saflag`` after them.
   """
   if not 1 <= ranks <= MAX_RANKS:
     raise ValueError(f"workspace_layout: ranks must be in [1, {MAX_RANKS}], got {ranks}")
@@ -437,8 +452,10 @@ def workspace_layout(experts: int, capacity: int, top_k: int, hidden: int, share
                      ("xq", capacity * hidden if fused else 0),
                      ("relay_arena", 2 * capacity * ranks * top_k * hidden if relay else 0),
                      ("g1tags", 8 * experts * (2 * intermediate // 128) if v2 and not fused else 0),
-                     ("xbf", 2 * capacity * hidden if bf16 and v2 and not fused else 0),
-                     ("abf", 2 * capacity * top_k * intermediate if bf16 and v2 and not fused else 0)):
+                     ("xbf", 2 * capacity * hidden if (bf16 or shared_bf16) and v2 and not fused else 0),
+                     ("abf", 2 * capacity * top_k * intermediate if bf16 and v2 and not fused else 0),
+                     ("sabf", 2 * capacity * shared_intermediate if shared_bf16 and v2 and not fused else 0),
+                     ("saflag", 4 * capacity if shared_bf16 and v2 and not fused else 0)):
     sections[name] = off
     off = _align(off + size)
   return Workspace(total=off, **sections)

@@ -200,7 +200,8 @@ class Variant:
                                 self.intermediate if v2 else 0, (self.shared_intermediate or 0) if v2 else 0,
                                 self.ranks if v2 else 1, self.relay and v2,
                                 bf16=v2 and abi.bf16_passes(self.capacity, self.top_k, self.experts, self.ranks,
-                                                            _config.kernel_ablation()))
+                                                            _config.kernel_ablation()),
+                                shared_bf16=v2 and abi.shared_bf16(self.shared, self.ranks, _config.kernel_ablation()))
 
   def to_dict(self) -> dict[str, int | None]:
     return dataclasses.asdict(self)

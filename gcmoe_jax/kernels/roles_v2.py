@@ -756,6 +756,25 @@ def _fold_mult(word, s: int) -> Int32:
   return bf16fold.fold_scale_bits(_scale_byte(word, s))
 
 
+def _store_bf16_plane(n, e, bad, lane, bf_addr) -> None:
+  """A lane's element of a K32 block's BF16 plane (`abi.Workspace.xbf`): ``q 2**e`` (exact: ``512 q`` times
+  ``2**(e - 9)``; NaN for a NaN block, whose row takes the digit bodies) at `bf16fold.plane_position` of its K."""
+  folded = v1._fmul(v1._i2f(n), v1._exp2_bits(e - 9)) >> v1.BF16_SHIFT
+  v1._st_bf16(bf_addr + bf16fold.plane_position(lane) * v1.BF16_BYTES,
+              cutlass.select_(bad != 0, Int32(BF16_NAN), folded))
+
+
+def _e4m3_bf16(w0, w1, r: int, mult) -> Int32:
+  """`bf16fold.decode_e4m3_pair`: the BF16 weights of bytes r of ``w0`` and ``w1`` (K 8 t4 + r and + r + 4 of a
+  lane's `bf16fold.shared_lane_words`), times ``mult`` (`bf16fold.fold_scale_e4m3`), six instructions."""
+  sel = r | (r << 4) | ((4 + r) << 8) | ((4 + r) << 12)
+  # (the multiplier moved into a register: a constant would reach mul.bf16x2 as an integer immediate)
+  return v1._ptx1("{ .reg .b32 _x, _s, _m, _c; "
+                  f"prmt.b32 _x, {{$r0}}, {{$r1}}, {sel:#06x}; and.b32 _s, _x, 0x00800080; "
+                  "and.b32 _m, _x, 0x007F007F; mad.lo.u32 _m, _s, 16, _m; shl.b32 _m, _m, 4; mov.b32 _c, {$r2}; "
+                  "mul.rn.bf16x2 {$w0}, _m, _c; }", w0, w1, mult)
+
+
 def _smem_desc(saddr, lbo: int, sbo: int) -> Int64:
   """wgmma's shared-memory matrix descriptor, no swizzle: start, leading (K) and stride (N) byte offsets / 16."""
   return Int64((saddr & 0x3FFFF) >> 4) | Int64((lbo >> 4) << 16) | Int64((sbo >> 4) << 32)
@@ -787,6 +806,15 @@ def _wgmma_wait_add(nt: int, pending: int, acc, d) -> None:
                              read_only_args=[acc[i] for i in range(r)] + [d[i] for i in range(r)])
   for i in range(r):
     acc[i] = res[i]
+
+
+def _wgmma_wait(nt: int, pending: int, d):
+  """Waits until at most ``pending`` wgmma groups are in flight, then returns ``d``'s registers (moved in the same
+  statement, so that nothing reads them before the wait)."""
+  r = 4 * nt
+  movs = " ".join(f"mov.b32 {{$w{i}}}, {{$r{i}}};" for i in range(r))
+  return cute.arch.inline_ptx(f"{{ wgmma.wait_group.sync.aligned {pending}; {movs} }}",
+                              write_only_types=[Int32] * r, read_only_args=[d[i] for i in range(r)])
 
 
 def _scaled_add(fast: bool, df, xw, wb, acc):
@@ -1140,6 +1168,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     # the next block's decode: at 128 registers two spilled 148-236 B, one 92-136 B, within the two-CTA budget).
     # Equal within 2 % on the H100 at B = 64-256 (session 60). `GCMOE_ABLATION=bf16one` / ``bf16two`` force one.
     self.bf16_sets = {"bf16one": 1, "bf16two": 2}.get(self.ablation, 2 if self.ctas == 1 else 1)
+    # The shared expert's token groups of 8 or 16 on BF16 wgmma (`_sh_compute_bf16`), GEMM1's B from ``xbf``,
+    # GEMM2's from ``sabf``: `abi.shared_bf16` (docs/kernels_v2.md "Session 61"; `GCMOE_ABLATION=shbf16`).
+    self.sh_bf16 = abi.shared_bf16(v.shared, v.ranks, self.ablation, arch)
+    assert not self.sh_bf16 or (not self.qmma and not self.fused)
     # `GCMOE_ABLATION=kbany` (timing, results exact): a routed GEMM2 item of one or two rows waits per K128 block for
     # the two GEMM1 items producing it, one of one row taking its stages in the order they become ready
     # (`_any_mainloop`), in the one-rank routed variants of up to 8 tokens (the one-row body; the cp.async producer;
@@ -1693,7 +1725,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       n, e, bad = self._quantize_lane(val, lane, wsb + ws.xplanes + Int64(q) * BLOCK_BYTES,
                                       wsb + ws.xexp + Int64(q) * 4, wsb + ws.xflag + Int64(t) * 4,
                                       wsb + ws.xsf + Int64(q), cur,
-                                      bf_addr=wsb + ws.xbf + Int64(q) * BF16_PLANE_BYTES if self.bf16 else None)
+                                      bf_addr=(wsb + ws.xbf + Int64(q) * BF16_PLANE_BYTES
+                                               if self.bf16 or self.sh_bf16 else None))
       if cutlass.const_expr(v.shared):
         self._store_digits(n, e, bad, lane, wsb + ws.sxp + Int64(q) * SH_BLOCK, wsb + ws.sxe + Int64(q) * 4)
       if cutlass.const_expr(self.engine):  # the row as the peers' pull engines copy it (`abi.Workspace.xq`)
@@ -2363,20 +2396,21 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         old = _atom_exch_acq_rel(xch, cur)
       if _bar_or((tid == 0) & (old == cur)) != 0:  # the second half: the other's values are in
         if tid < 32:
-          self._half_requantize(0, a0, half, xch, t0, cb, col, wsb)
+          self._half_requantize(0, a0, half, xch, t0, cb, col, wsb, cur)
           if nt > 1:
-            self._half_requantize(1, a1, half, xch, t0, cb, col, wsb)
+            self._half_requantize(1, a1, half, xch, t0, cb, col, wsb, cur)
         self._count_done(counter)
     else:
       self._shared_dispatch(nt, t0, s13, s13s, 2 * v.shared_intermediate, v.hidden, cb * SH_ROWS,
-                            wsb + ws.sxp, wsb + ws.sxe, sb)
+                            wsb + ws.sxp, wsb + ws.sxe, sb,
+                            (wsb + ws.xbf, wsb + ws.xflag, cur) if self.sh_bf16 else None)
       gate = v1._gate_row(col)
       for j in cutlass.range_constexpr(sh.tokens // WARPS):
         tok = tid // 32 + j * WARPS
         if tok < nt:  # warp-uniform: a warp per token, a lane per column
           hg = _lds(sb + sh.acc + (tok * SH_ROWS + gate) * 4)
           hu = _lds(sb + sh.acc + (tok * SH_ROWS + gate + v1.GATE_UP_GROUP) * 4)
-          self._requantize(self._swiglu_bits(hg, hu, Int32(v1.F32_ONE), wsb, c_bits), t0, tok, cb, col, wsb)
+          self._requantize(self._swiglu_bits(hg, hu, Int32(v1.F32_ONE), wsb, c_bits), t0, tok, cb, col, wsb, cur)
       self._count_done(counter)
 
   @cute.jit
@@ -2394,12 +2428,12 @@ class RoleKernelsV2(v1.RoleKernelsV1):
 
   @cute.jit
   def _half_requantize(self, tok: cutlass.Constexpr, a: Int32, half: Int32, xch: Int64, t0: Int32, cb: Int32,
-                       col: Int32, wsb: Int64):
+                       col: Int32, wsb: Int64, cur: Int32):
     """A warp, in the second half of a block to arrive: token ``tok``'s block from its own outputs ``a`` and the
     other half's in the exchange, requantized (`_requantize`)."""
     word = _ld_cg(xch + abi.SHX_VALUES + tok * abi.SHX_TOKEN_BYTES + (col // 2) * 4)
     other = (word >> (v1.BF16_SHIFT * (col % 2))) & v1.BF16_MASK
-    self._requantize(cutlass.select_(col // (v1.K32 // 2) == half, a, other), t0, tok, cb, col, wsb)
+    self._requantize(cutlass.select_(col // (v1.K32 // 2) == half, a, other), t0, tok, cb, col, wsb, cur)
 
   def _shared_groups(self, n_tok: Int32):
     """(token groups, shared items per column block) of a call of ``n_tok`` tokens: a last group of one or two
@@ -2411,12 +2445,20 @@ class RoleKernelsV2(v1.RoleKernelsV1):
                                         Int32(0))
 
   @cute.jit
-  def _requantize(self, bits: Int32, t0: Int32, tok: Int32, cb: Int32, lane: Int32, wsb: Int64):
+  def _requantize(self, bits: Int32, t0: Int32, tok: Int32, cb: Int32, lane: Int32, wsb: Int64, cur: Int32):
     """A warp, a lane per column: MXFP8 of token t0 + tok's K32 block cb of the shared SwiGLU output (BF16 ``bits``)
-    into ``sap``/``sae`` (`_store_digits`)."""
+    into ``sap``/``sae`` (`_store_digits`), and (`sh_bf16`) its BF16 plane into ``sabf``, the token's ``saflag``
+    tagged with ``cur`` where the block is NaN or its exponent leaves `abi.FAST_EXP` (phase 0's rule for x)."""
+    ws = self.ws
     n, e, bad = self._mx_lane(bits << v1.BF16_SHIFT)
     blk = Int64(t0 + tok) * self.n_cb + cb
-    self._store_digits(n, e, bad, lane, wsb + self.ws.sap + blk * SH_BLOCK, wsb + self.ws.sae + blk * 4)
+    self._store_digits(n, e, bad, lane, wsb + ws.sap + blk * SH_BLOCK, wsb + ws.sae + blk * 4)
+    if cutlass.const_expr(self.sh_bf16):
+      _store_bf16_plane(n, e, bad, lane, wsb + ws.sabf + blk * BF16_PLANE_BYTES)
+      if lane == 0:
+        _, slow = _exp_word(e + v1.FP4_DOT_SHIFT, bad != 0)
+        if slow:
+          v1._st(wsb + ws.saflag + Int64(t0 + tok) * 4, cur)
 
   @cute.jit
   def _count_done(self, base: Int64, word: Int32 = 0):
@@ -2459,7 +2501,8 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       cute.arch.sync_threads()  # the accumulators are zeroed by the next item
     else:
       self._shared_dispatch(nt, t0, s2, s2s, v.hidden, v.shared_intermediate, hb * SH_ROWS,
-                            wsb + ws.sap, wsb + ws.sae, sb)
+                            wsb + ws.sap, wsb + ws.sae, sb,
+                            (wsb + ws.sabf, wsb + ws.saflag, cur) if self.sh_bf16 else None)
       row = tid % SH_ROWS
       for j in cutlass.range_constexpr(sh.tokens * SH_ROWS // THREADS):
         tok = tid // SH_ROWS + j * (THREADS // SH_ROWS)
@@ -2472,21 +2515,21 @@ class RoleKernelsV2(v1.RoleKernelsV1):
 
   @cute.jit
   def _shared_dispatch(self, nt: Int32, t0: Int32, pw: Int64, psc: Int64, n: cutlass.Constexpr,
-                       k: cutlass.Constexpr, row0: Int32, ap: Int64, ae: Int64, sb: Int32):
+                       k: cutlass.Constexpr, row0: Int32, ap: Int64, ae: Int64, sb: Int32, bf=None):
     """`_shared_core` of 64 rows for a group of more than two tokens: one n-tile of tokens (`SH_TOKENS`), or, in the
     variants of wide groups, up to two. (A group of one or two tokens takes its items in halves of 32 rows.)"""
     if cutlass.const_expr(self.sh.tokens > SH_TOKENS):
       if nt > SH_TOKENS:
-        self._shared_core(self.sh.tokens, nt, t0, pw, psc, n, k, row0, ap, ae, sb)
+        self._shared_core(self.sh.tokens, nt, t0, pw, psc, n, k, row0, ap, ae, sb, bf=bf)
       else:
-        self._shared_core(SH_TOKENS, nt, t0, pw, psc, n, k, row0, ap, ae, sb)
+        self._shared_core(SH_TOKENS, nt, t0, pw, psc, n, k, row0, ap, ae, sb, bf=bf)
     else:
-      self._shared_core(SH_TOKENS, nt, t0, pw, psc, n, k, row0, ap, ae, sb)
+      self._shared_core(SH_TOKENS, nt, t0, pw, psc, n, k, row0, ap, ae, sb, bf=bf)
 
   @cute.jit
   def _shared_core(self, tbc: cutlass.Constexpr, nt: Int32, t0: Int32, pw: Int64, psc: Int64, n: cutlass.Constexpr,
                    k: cutlass.Constexpr, row0: Int32, ap: Int64, ae: Int64, sb: Int32,
-                   rows: cutlass.Constexpr = SH_ROWS):
+                   rows: cutlass.Constexpr = SH_ROWS, bf=None):
     """``acc[t][r] = sum over K32 blocks b in order of p(t, r, b)`` (the FP8 x FP8 block dots of the `reference`
     module doc) for the group's tokens t < tbc (those past ``nt`` read zeros) and weight rows row0 + r, r < rows,
     into SMEM (``self.sh.acc``).
@@ -2497,10 +2540,20 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     token's, `_sh_slots`): the next step's weights and activations are copied (cp.async) while this one's block
     dots run on the tensor cores (`_sh_compute`, one n-tile per 8 tokens of ``tbc``), the blocks' p to SMEM; then a
     thread per (token, row) adds the step's p in increasing K (the order the semantics fix, which the split of K
-    across warps would otherwise break)."""
+    across warps would otherwise break).
+
+    ``bf`` (`sh_bf16`; groups of 8 or 16 tokens): (the operand's BF16 planes, its per-token flags, the call's tag).
+    Where no token of the group is flagged, the steps copy the BF16 planes instead of the digit planes and run
+    `_sh_compute_bf16`; otherwise the digit MMAs, as without ``bf``."""
     tid, _, _ = cute.arch.thread_idx()
     k_tiles = k // v1.K128
     n_steps = -(-k_tiles // _sh_tiles_per_step(rows))
+    fast = Int32(0)
+    if cutlass.const_expr(bf is not None):
+      slow = Int32(0)
+      if tid < nt:
+        slow = cutlass.select_(_ld_gpu(bf[1] + Int64(t0 + tid) * 4) == bf[2], Int32(1), Int32(0))
+      fast = 1 - _bar_or(slow)
     for i in range(tid, self.sh.tokens * SH_ROWS, THREADS):
       _sts(sb + self.sh.acc + i * 4, Int32(0))
     # The decode table, read after the first step's barrier: 256 threads, 256 codes; a code's copies rotated by the
@@ -2511,18 +2564,26 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         _sts(sb + self.sh.tab + tid * 128 + ((tid + q) % 32) * 4, entry)
     else:
       _sts(sb + SH_TAB + tid * 4, entry)
-    self._sh_issue(tbc, Int32(0), Int32(0), nt, t0, pw, psc, n, k, row0, ap, ae, sb, rows)
+    self._sh_issue(tbc, Int32(0), Int32(0), nt, t0, pw, psc, n, k, row0, ap, ae, sb, rows, fast, bf)
     _commit()
     for s in range(n_steps):
       buf = s & 1
       if s > 0:
         self._sh_accumulate(tbc, s - 1, k, sb, rows)
       if s + 1 < n_steps:
-        self._sh_issue(tbc, s + 1, buf ^ 1, nt, t0, pw, psc, n, k, row0, ap, ae, sb, rows)
+        self._sh_issue(tbc, s + 1, buf ^ 1, nt, t0, pw, psc, n, k, row0, ap, ae, sb, rows, fast, bf)
       _commit()
       _wait_group(1)  # this thread's copies of step s have landed
+      if cutlass.const_expr(bf is not None):
+        _fence_async_smem()  # the copies wrote through the generic proxy; wgmma reads through the async one
       cute.arch.sync_threads()
-      self._sh_compute(tbc, s, buf, k, sb, rows)
+      if cutlass.const_expr(bf is None):
+        self._sh_compute(tbc, s, buf, k, sb, rows)
+      else:
+        if fast != 0:
+          self._sh_compute_bf16(tbc, s, buf, k, sb)
+        else:
+          self._sh_compute(tbc, s, buf, k, sb, rows)
       cute.arch.sync_threads()
     self._sh_accumulate(tbc, Int32(n_steps - 1), k, sb, rows)
     cute.arch.sync_threads()
@@ -2530,10 +2591,11 @@ class RoleKernelsV2(v1.RoleKernelsV1):
   @cute.jit
   def _sh_issue(self, tbc: cutlass.Constexpr, s: Int32, buf: Int32, nt: Int32, t0: Int32, pw: Int64, psc: Int64,
                 n: cutlass.Constexpr, k: cutlass.Constexpr, row0: Int32, ap: Int64, ae: Int64, sb: Int32,
-                rows: cutlass.Constexpr = SH_ROWS):
+                rows: cutlass.Constexpr = SH_ROWS, fast=None, bf=None):
     """cp.async of step s into buffer buf: the two K128 tiles of the item's 64 weight rows and their scale words,
     the tbc tokens' digit planes, and the exponent words of the n-tiles' tokens (zeros past ``nt`` and past K, so
-    the unused columns of the MMA keep every block exponent in range)."""
+    the unused columns of the MMA keep every block exponent in range); where ``fast`` (`_shared_core`'s ``bf``),
+    the tokens' BF16 planes instead (`_sh_issue_bf16`)."""
     tid, _, _ = cute.arch.thread_idx()
     group = self.v.shared_group
     k_tiles = k // v1.K128
@@ -2559,6 +2621,20 @@ class RoleKernelsV2(v1.RoleKernelsV1):
       if kt < k_tiles:
         word = kt if group == v1.K32 else kt // 4
         _cp4(sb + SH_S + ((buf * tps + ts) * rows + r) * 4, psc + (Int64(row0 + r) * scale_words + word) * 4)
+    if cutlass.const_expr(bf is None):
+      self._sh_issue_digits(tbc, s, buf, nt, t0, nblk, bps, rows, ap, ae, sb)
+    else:
+      if fast != 0:
+        self._sh_issue_bf16(tbc, s, buf, nt, t0, nblk, bps, bf[0], sb)
+      else:
+        self._sh_issue_digits(tbc, s, buf, nt, t0, nblk, bps, rows, ap, ae, sb)
+
+  @cute.jit
+  def _sh_issue_digits(self, tbc: cutlass.Constexpr, s: Int32, buf: Int32, nt: Int32, t0: Int32,
+                       nblk: cutlass.Constexpr, bps: cutlass.Constexpr, rows: cutlass.Constexpr, ap: Int64, ae: Int64,
+                       sb: Int32):
+    """`_sh_issue`'s B side on the digit MMAs: the tokens' digit planes and exponent words of step s."""
+    tid, _, _ = cute.arch.thread_idx()
     slots = _sh_slots(rows)
     per_tok = bps * SH_BLOCK // 16  # 16 B chunks per token and step
     # The exponents of the n-tiles' tokens (zeros past nt); a half's tokens run on over the slots of the next ones.
@@ -2577,6 +2653,26 @@ class RoleKernelsV2(v1.RoleKernelsV1):
         self._sh_issue_x(q // per_tok, q % per_tok, s, buf, nt, t0, nblk, bps, slots, ap, sb)
       for q in range(tid, ex_tok * (bps // 4), THREADS):
         self._sh_issue_e(q // (bps // 4), q % (bps // 4), s, buf, nt, t0, nblk, bps, slots, ae, sb)
+
+  @cute.jit
+  def _sh_issue_bf16(self, tbc: cutlass.Constexpr, s: Int32, buf: Int32, nt: Int32, t0: Int32,
+                     nblk: cutlass.Constexpr, bps: cutlass.Constexpr, bfp: Int64, sb: Int32):
+    """`_sh_issue`'s B side on BF16 wgmma: step s's K32 blocks of the tokens' BF16 planes (``bfp``, `abi.Workspace`
+    ``xbf`` or ``sabf``), 16-B chunk (block b, k8 group c) of token t into wgmma's core matrix (c, t // 8), row t %
+    8 of block b's area (`bf16_b_chunk`), in the buffer's digit-plane room; zeros past ``nt`` and past K.
+    Consecutive threads take a token's consecutive 512 B."""
+    tid, _, _ = cute.arch.thread_idx()
+    ntl = _sh_ntiles(tbc)
+    per_tok = bps * BF16_PLANE_BYTES // 16
+    base = sb + SH_X + buf * (self.sh.tokens * SH_X_STRIDE)
+    assert (tbc * per_tok) % THREADS == 0 and bps * ntl * BF16_B_BLOCK_BYTES <= self.sh.tokens * SH_X_STRIDE
+    for i in cutlass.range_constexpr(tbc * per_tok // THREADS):
+      q = tid + THREADS * i
+      tok = q // per_tok
+      c = q % per_tok
+      ok = (tok < nt) & (s * bps + c // 4 < nblk)
+      src = bfp + cutlass.select_(ok, (Int64(t0 + tok) * nblk + s * bps) * BF16_PLANE_BYTES + c * 16, Int64(0))
+      _cp16(base + bf16_b_chunk(tok, c, ntl), src, cutlass.select_(ok, Int32(16), Int32(0)))
 
   @cute.jit
   def _sh_issue_x(self, tok: Int32, c: Int32, s: Int32, buf: Int32, nt: Int32, t0: Int32, nblk: cutlass.Constexpr,
@@ -2635,6 +2731,60 @@ class RoleKernelsV2(v1.RoleKernelsV1):
           self._sh_two_rows(a, ew, buf, lb, mt, sb)
         else:
           self._sh_tiles(_sh_ntiles(tbc), a, ew, buf, lb, mt, sb)
+
+  @cute.jit
+  def _sh_compute_bf16(self, tbc: cutlass.Constexpr, s: Int32, buf: Int32, k: cutlass.Constexpr, sb: Int32):
+    """`_sh_compute` on BF16 wgmma for a group of 8 or 16 tokens none of which is flagged (`_shared_core`):
+    warpgroup ts (warps 4 ts .. 4 ts + 3, the m16 tiles of the item's 64 rows) takes K128 tile 2 s + ts; per K32
+    block, the rows' E4M3 weights decoded to BF16 (`_e4m3_bf16`: lane t4's words of `bf16fold.shared_lane_words`,
+    times 2**0: the weight scale is applied to the sum) and two wgmma m64n(8|16)k16 from zero over the tokens' BF16
+    planes (``q 2**ex``, `_sh_issue_bf16`) give D = the block's dot times 2**ex, its products exact in FP32 (every
+    block exponent of an unflagged token lies in `abi.FAST_EXP`); p = D 2**ew (`_sh_store`: one multiplication
+    where |ew| <= `SH_FAST_EXP`, else the semantics' two). Not bit-exact with the digit MMAs (the tensor cores sum
+    D in FP32, the semantics round three split dots), within the numerics bar (docs/kernels_v2.md "Session 61")."""
+    warp, _, g, t4 = _lanes()
+    sh = self.sh
+    ntl = _sh_ntiles(tbc)
+    tps = _sh_tiles_per_step(SH_ROWS)
+    mt = warp % (SH_ROWS // 16)
+    ts = warp // (SH_ROWS // 16)
+    kt = tps * s + ts
+    if kt < k // v1.K128:
+      tile = sb + SH_W + ((buf * tps + ts) * SH_ROWS + 16 * mt + g) * v1.K128 + 8 * t4
+      srow = sb + SH_S + ((buf * tps + ts) * SH_ROWS + 16 * mt + g) * 4
+      sw = (_lds(srow), _lds(srow + 8 * 4))
+      base = sb + SH_X + buf * (sh.tokens * SH_X_STRIDE)
+      lbo = ntl * 128  # between k8 groups; n8 groups 128 apart
+      one = Int32(bf16fold.fold_scale_e4m3(0))
+      sums = [None, None]
+      for j in cutlass.range_constexpr(4):  # the four K32 blocks of the warpgroup's K128 tile
+        wa = tile + 32 * (Int32(j) ^ (g % 4))  # chunk pair j of rows g, g + 8 (`_sh_issue`'s swizzle)
+        words = (_lds2(wa), _lds2(wa + 8 * v1.K128))
+        a = [_e4m3_bf16(words[h][0], words[h][1], r, one) for r in range(4) for h in range(2)]
+        blk = base + (4 * ts + j) * (ntl * BF16_B_BLOCK_BYTES)
+        sums[j % 2] = _wgmma_bf16_block(ntl, a, _smem_desc(blk, lbo, 128), _smem_desc(blk + 2 * lbo, lbo, 128))
+        if cutlass.const_expr(self.bf16_sets == 1):
+          self._sh_store_bf16(_wgmma_wait(ntl, 0, sums[j % 2]), j, sw, kt, 4 * ts + j, mt, sb)
+        elif cutlass.const_expr(j > 0):
+          self._sh_store_bf16(_wgmma_wait(ntl, 1, sums[(j - 1) % 2]), j - 1, sw, kt, 4 * ts + j - 1, mt, sb)
+      if cutlass.const_expr(self.bf16_sets == 2):
+        self._sh_store_bf16(_wgmma_wait(ntl, 0, sums[1]), 3, sw, kt, 4 * ts + 3, mt, sb)
+
+  @cute.jit
+  def _sh_store_bf16(self, d, j: cutlass.Constexpr, sw, kt: Int32, lb: Int32, mt: Int32, sb: Int32):
+    """Block j of the warp's tile (``lb`` of the step): p = D 2**ew of rows g, g + 8 (scale words ``sw``) to
+    ``self.sh.p``, where `_sh_tiles` stores it (D element 4 i + c: token 8 i + 2 t4 + (c & 1), row g + 8 (c >> 1))."""
+    _, _, g, t4 = _lanes()
+    sh = self.sh
+    if cutlass.const_expr(self.v.shared_group == v1.K32):
+      ew = tuple(((w >> (8 * j)) & v1.BYTE_MASK) - v1.UE8M0_BIAS for w in sw)
+    else:
+      ew = tuple(((w >> (8 * (kt % 4))) & v1.BYTE_MASK) - v1.UE8M0_BIAS for w in sw)
+    z4 = (Int32(0),) * 4
+    for i in cutlass.range_constexpr(len(d) // 4):
+      out = sb + sh.p + ((lb * sh.tokens + 8 * i + 2 * t4) * SH_P_ROWS + 16 * mt + g) * 4
+      _sh_store(tuple(d[4 * i + c] for c in range(4)), tuple(ew[c // 2] for c in range(4)), z4,
+                tuple(out + ((c % 2) * SH_P_ROWS + 8 * (c // 2)) * 4 for c in range(4)), None)
 
   @cute.jit
   def _sh_tiles(self, ntiles: cutlass.Constexpr, a, ew, buf: Int32, lb: Int32, mt: Int32, sb: Int32):
@@ -2869,9 +3019,7 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     """
     n, e, bad = self._mx_lane(val)
     if cutlass.const_expr(bf_addr is not None):
-      folded = v1._fmul(v1._i2f(n), v1._exp2_bits(e - 9)) >> v1.BF16_SHIFT
-      v1._st_bf16(bf_addr + bf16fold.plane_position(lane) * v1.BF16_BYTES,
-                  cutlass.select_(bad != 0, Int32(BF16_NAN), folded))
+      _store_bf16_plane(n, e, bad, lane, bf_addr)
     if cutlass.const_expr(self.qmma):
       _st_u8(planes + lane, _e4m3_code(n))
       if lane == 0:
