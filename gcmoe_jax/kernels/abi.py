@@ -354,8 +354,8 @@ def bf16_passes(capacity: int, top_k: int, experts: int, ranks: int = 1, ablatio
 
 def shared_bf16(shared: bool, ranks: int = 1, ablation: str = "", arch: str = "sm_90a") -> bool:
   """Whether role 2 of a variant runs the shared expert's token groups of 8 or 16 on BF16 ``wgmma``
-  (docs/kernels_v2.md "Session 61"): with a shared expert, sm_90a, one GPU, the cp.async producer, behind
-  ``GCMOE_ABLATION=shbf16`` until measured. Its workspace then holds ``xbf`` (GEMM1's B), ``sabf`` and ``saflag``
+  (docs/kernels_v2.md "Session 61"): with a shared expert, sm_90a, one GPU, behind ``GCMOE_ABLATION=shbf16``
+  until measured. Its workspace then holds ``xbf`` (GEMM1's B), ``sabf`` and ``saflag``
   (GEMM2's)."""
   return shared and arch.startswith("sm_90") and ranks == 1 and ablation == "shbf16"
 
