@@ -2710,35 +2710,27 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     semantics' p and its scaling (`roles_v1._fp8_block_p`; one multiplication where every block exponent of the
     warp's block lies within `SH_FAST_EXP`). The K order of the MMA is permuted the same way for A and B (thread t4
     holds the bytes 8 t4 .. 8 t4 + 7 of a block, in one 8-byte load), which leaves every integer sum as it is."""
-    _, lane, g, _ = _lanes()
+    warp, lane, g, t4 = _lanes()
     tab = sb + self.sh.tab + (lane * 4 if self.sh.lane_tab else 0)
-    mt, ts, kt, tile, srow = self._sh_warp_tile(s, buf, sb, rows)
+    tps = _sh_tiles_per_step(rows)
+    mt = warp % (rows // 16)
+    ts = warp // (rows // 16)
+    kt = tps * s + ts
     if kt < k // v1.K128:
+      tile = sb + SH_W + ((buf * tps + ts) * rows + 16 * mt + g) * v1.K128 + 8 * t4
+      srow = sb + SH_S + ((buf * tps + ts) * rows + 16 * mt + g) * 4
       sw = (_lds(srow), _lds(srow + 8 * 4))
       for j in cutlass.range_constexpr(4):  # the four K32 blocks of the warp's K128 tile
         lb = 4 * ts + j
         a = _sh_block_a(tile, j, g, tab, self.ablation != "shnodecode", self.sh.lane_tab)
-        ew = self._sh_ew(sw, j, kt)
+        if cutlass.const_expr(self.v.shared_group == v1.K32):
+          ew = tuple(((w >> (8 * j)) & v1.BYTE_MASK) - v1.UE8M0_BIAS for w in sw)
+        else:
+          ew = tuple(((w >> (8 * (kt % 4))) & v1.BYTE_MASK) - v1.UE8M0_BIAS for w in sw)
         if cutlass.const_expr(tbc == abi.HALVES_TOKENS):
           self._sh_two_rows(a, ew, buf, lb, mt, sb)
         else:
           self._sh_tiles(_sh_ntiles(tbc), a, ew, buf, lb, mt, sb)
-
-  def _sh_warp_tile(self, s, buf, sb, rows: int):
-    """This warp's part of step s of an item of ``rows`` weight rows (`_sh_compute`): its m16 tile mt and K128 tile
-    ts of the step, that tile's K128 index kt, and the SMEM addresses of lane (g, t4)'s 8 weight bytes of row 16 mt
-    + g (`_sh_issue`'s layout; row g + 8 lies 8 rows on) and of that row's scale word."""
-    warp, _, g, t4 = _lanes()
-    tps = _sh_tiles_per_step(rows)
-    mt = warp % (rows // 16)
-    ts = warp // (rows // 16)
-    row = (buf * tps + ts) * rows + 16 * mt + g
-    return mt, ts, tps * s + ts, sb + SH_W + row * v1.K128 + 8 * t4, sb + SH_S + row * 4
-
-  def _sh_ew(self, sw, j: int, kt):
-    """The weight scale exponents of rows g and g + 8 (scale words ``sw``) for K32 block j of K128 tile kt."""
-    byte = j if self.v.shared_group == v1.K32 else kt % 4
-    return tuple(((w >> (8 * byte)) & v1.BYTE_MASK) - v1.UE8M0_BIAS for w in sw)
 
   @cute.jit
   def _sh_compute_bf16(self, tbc: cutlass.Constexpr, s: Int32, buf: Int32, k: cutlass.Constexpr, sb: Int32):
@@ -2750,11 +2742,16 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     block exponent of an unflagged token lies in `abi.FAST_EXP`); p = D 2**ew (`_sh_store`: one multiplication
     where |ew| <= `SH_FAST_EXP`, else the semantics' two). Not bit-exact with the digit MMAs (the tensor cores sum
     D in FP32, the semantics round three split dots), within the numerics bar (docs/kernels_v2.md "Session 61")."""
-    _, _, g, _ = _lanes()
+    warp, _, g, t4 = _lanes()
     sh = self.sh
     ntl = _sh_ntiles(tbc)
-    mt, ts, kt, tile, srow = self._sh_warp_tile(s, buf, sb, SH_ROWS)
+    tps = _sh_tiles_per_step(SH_ROWS)
+    mt = warp % (SH_ROWS // 16)
+    ts = warp // (SH_ROWS // 16)
+    kt = tps * s + ts
     if kt < k // v1.K128:
+      tile = sb + SH_W + ((buf * tps + ts) * SH_ROWS + 16 * mt + g) * v1.K128 + 8 * t4
+      srow = sb + SH_S + ((buf * tps + ts) * SH_ROWS + 16 * mt + g) * 4
       sw = (_lds(srow), _lds(srow + 8 * 4))
       base = sb + SH_X + buf * (sh.tokens * SH_X_STRIDE)
       lbo = ntl * 128  # between k8 groups; n8 groups 128 apart
@@ -2779,7 +2776,10 @@ class RoleKernelsV2(v1.RoleKernelsV1):
     ``self.sh.p``, where `_sh_tiles` stores it (D element 4 i + c: token 8 i + 2 t4 + (c & 1), row g + 8 (c >> 1))."""
     _, _, g, t4 = _lanes()
     sh = self.sh
-    ew = self._sh_ew(sw, j, kt)
+    if cutlass.const_expr(self.v.shared_group == v1.K32):
+      ew = tuple(((w >> (8 * j)) & v1.BYTE_MASK) - v1.UE8M0_BIAS for w in sw)
+    else:
+      ew = tuple(((w >> (8 * (kt % 4))) & v1.BYTE_MASK) - v1.UE8M0_BIAS for w in sw)
     z4 = (Int32(0),) * 4
     for i in cutlass.range_constexpr(len(d) // 4):
       out = sb + sh.p + ((lb * sh.tokens + 8 * i + 2 * t4) * SH_P_ROWS + 16 * mt + g) * 4
